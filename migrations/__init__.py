@@ -1,0 +1,1 @@
+"""taskguard's Alembic migrations (installed as ``taskguard.migrations``)."""

@@ -1,0 +1,77 @@
+"""Validation of lock keys and lease durations.
+
+Keys are stored as given when they fit; over-long keys are shortened
+deterministically (readable prefix + digest) so that every process derives the
+same stored key from the same input.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from datetime import timedelta
+
+from taskguard.exceptions import InvalidKey, InvalidTTL
+
+__all__ = ["MAX_KEY_LENGTH", "MAX_TTL", "MIN_TTL", "normalize_key", "validate_ttl"]
+
+#: Longest key stored verbatim (characters). Matches the column width.
+MAX_KEY_LENGTH = 255
+_DIGEST_CHARS = 40  # 160 bits of sha256: collisions are not a practical concern
+_PREFIX_CHARS = MAX_KEY_LENGTH - _DIGEST_CHARS - 1
+
+#: Shortest lease: SQLite's clock has millisecond resolution.
+MIN_TTL = 0.001
+#: Longest lease: one year. Longer "locks" are configuration, not leases.
+MAX_TTL = 366 * 24 * 3600.0
+
+
+def normalize_key(key: object) -> str:
+    """Return the key as it is stored, or raise :class:`InvalidKey`.
+
+    Any non-empty ``str`` without NUL and encodable as UTF-8 is accepted. Keys longer
+    than :data:`MAX_KEY_LENGTH` characters become ``<prefix>#<sha256 digest>``.
+    """
+    if not isinstance(key, str):
+        raise InvalidKey(f"lock key must be a str, not {type(key).__name__}", key)
+    if not key:
+        raise InvalidKey("lock key must not be empty", key)
+    if "\x00" in key:
+        raise InvalidKey(f"lock key must not contain NUL characters: {key[:80]!r}", key)
+    try:
+        encoded = key.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidKey(
+            f"lock key is not valid Unicode text (lone surrogate at index {exc.start}): "
+            f"{key[:80]!r}",
+            key,
+        ) from None
+    if len(key) <= MAX_KEY_LENGTH:
+        return key
+    digest = hashlib.sha256(encoded).hexdigest()[:_DIGEST_CHARS]
+    return f"{key[:_PREFIX_CHARS]}#{digest}"
+
+
+def validate_ttl(ttl: object, *, name: str = "ttl") -> float:
+    """Return ``ttl`` as float seconds, or raise :class:`InvalidTTL`.
+
+    Accepts int, float or :class:`datetime.timedelta` between :data:`MIN_TTL` and
+    :data:`MAX_TTL` seconds.
+    """
+    if isinstance(ttl, timedelta):
+        seconds = ttl.total_seconds()
+    elif isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
+        raise InvalidTTL(
+            f"{name} must be a number of seconds or a timedelta, not {type(ttl).__name__}", ttl
+        )
+    else:
+        seconds = float(ttl)
+    if not math.isfinite(seconds):
+        raise InvalidTTL(f"{name} must be finite, got {ttl!r}", ttl)
+    if seconds < MIN_TTL:
+        raise InvalidTTL(f"{name} must be at least {MIN_TTL} seconds, got {ttl!r}", ttl)
+    if seconds > MAX_TTL:
+        raise InvalidTTL(
+            f"{name} must be at most {MAX_TTL:.0f} seconds (366 days), got {ttl!r}", ttl
+        )
+    return seconds

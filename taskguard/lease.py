@@ -1,0 +1,126 @@
+"""Value objects handed out by :class:`taskguard.TaskGuard`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+__all__ = ["Holder", "Lease", "LockInfo"]
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """Who took a lease, for people reading the table. Not used for ownership."""
+
+    task_name: str | None = None
+    task_id: str | None = None
+    hostname: str | None = None
+    pid: int | None = None
+
+
+@dataclass(slots=True)
+class Lease:
+    """A granted lease. Only the holder of ``owner`` can renew or release it.
+
+    ``token`` is a fencing token: pass it to whatever the task writes to and have
+    that resource reject tokens lower than the highest it has seen.
+    ``expires_at`` is the database's idea of expiry and moves on renewal.
+    """
+
+    key: str
+    owner: str
+    token: int
+    acquired_at: datetime
+    expires_at: datetime
+    ttl: float
+    slot: int = 0
+
+    def to_dict(self) -> dict[str, object]:
+        """A JSON-friendly form, e.g. to carry a lease in a Celery message header."""
+        return {
+            "key": self.key,
+            "owner": self.owner,
+            "token": self.token,
+            "acquired_at": self.acquired_at.isoformat(),
+            "expires_at": self.expires_at.isoformat(),
+            "ttl": self.ttl,
+            "slot": self.slot,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> Lease:
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            key=str(data["key"]),
+            owner=str(data["owner"]),
+            token=int(str(data["token"])),
+            acquired_at=datetime.fromisoformat(str(data["acquired_at"])),
+            expires_at=datetime.fromisoformat(str(data["expires_at"])),
+            ttl=float(str(data["ttl"])),
+            slot=int(str(data.get("slot", 0))),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LockInfo:
+    """A row of ``task_locks`` as read at database time ``read_at``."""
+
+    key: str
+    slot: int
+    owner: str
+    token: int
+    acquired_at: datetime
+    expires_at: datetime
+    holder: Holder
+    read_at: datetime
+
+    @property
+    def held(self) -> bool:
+        """Whether the lease was live when the row was read (database clock)."""
+        return self.expires_at > self.read_at
+
+    @property
+    def held_for(self) -> timedelta:
+        """How long the current (or last) holder has had it, as of ``read_at``."""
+        return (min(self.read_at, self.expires_at)) - self.acquired_at
+
+    @property
+    def expires_in(self) -> timedelta:
+        """Time left on the lease as of ``read_at`` (negative once expired)."""
+        return self.expires_at - self.read_at
+
+    def describe(self) -> str:
+        """One line naming the holder, for logs and error messages."""
+        h = self.holder
+        who = " ".join(
+            part
+            for part in (
+                f"task {h.task_name}" if h.task_name else None,
+                f"id {h.task_id}" if h.task_id else None,
+                f"on {h.hostname}" if h.hostname else None,
+                f"pid {h.pid}" if h.pid is not None else None,
+            )
+            if part
+        )
+        return (
+            f"owner {self.owner} ({who or 'no holder details'}), token {self.token}, "
+            f"expires {self.expires_at.isoformat()}"
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        """A JSON-friendly form (used by ``taskguard locks --json``)."""
+        return {
+            "key": self.key,
+            "slot": self.slot,
+            "owner": self.owner,
+            "token": self.token,
+            "task_name": self.holder.task_name,
+            "task_id": self.holder.task_id,
+            "hostname": self.holder.hostname,
+            "pid": self.holder.pid,
+            "acquired_at": self.acquired_at.isoformat(),
+            "expires_at": self.expires_at.isoformat(),
+            "held": self.held,
+            "held_for_seconds": round(self.held_for.total_seconds(), 3),
+            "expires_in_seconds": round(self.expires_in.total_seconds(), 3),
+        }

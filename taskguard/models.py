@@ -1,0 +1,109 @@
+"""The ``task_locks`` table, defined once with SQLAlchemy's typed ORM.
+
+The migrations in ``migrations/`` create exactly this (a test checks they never
+drift). Only ``(key, slot)`` is indexed: renewals and releases update
+``expires_at`` alone, so on PostgreSQL they stay HOT updates and never touch an
+index.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import BigInteger, DateTime, Integer, MetaData, Sequence, SmallInteger, String
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+__all__ = [
+    "HELD_VIEW",
+    "LOCKS_TABLE",
+    "SQLITE_TOKEN_TABLE",
+    "TOKEN_SEQUENCE",
+    "VERSION_TABLE",
+    "Base",
+    "TaskLock",
+    "metadata",
+]
+
+LOCKS_TABLE = "task_locks"
+HELD_VIEW = "task_locks_held"
+#: PostgreSQL: fencing tokens come from this sequence (never goes back).
+TOKEN_SEQUENCE = "task_locks_token_seq"
+#: SQLite has no sequences: a one-row high-water mark kept by a trigger.
+SQLITE_TOKEN_TABLE = "task_locks_token_counter"
+#: taskguard's own Alembic version table; the application's ``alembic_version`` is never touched.
+VERSION_TABLE = "taskguard_alembic_version"
+
+metadata = MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "ck": "ck_%(table_name)s_%(constraint_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC datetimes on every backend.
+
+    PostgreSQL stores ``timestamptz``; SQLite stores ISO text, which comes back
+    naive and is tagged UTC here (taskguard only ever writes UTC there).
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("taskguard stores timezone-aware datetimes only")
+        value = value.astimezone(timezone.utc)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if isinstance(value, str):
+            value = datetime.fromisoformat(value)
+        assert isinstance(value, datetime)
+        if value.tzinfo is None:
+            return value.replace(tzinfo=timezone.utc)
+        return value.astimezone(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    """Declarative base bound to taskguard's own :data:`metadata`."""
+
+    metadata = metadata
+
+
+token_sequence = Sequence(TOKEN_SEQUENCE, metadata=metadata)
+
+
+class TaskLock(Base):
+    """One lease on one slot of a key. A row outlives its lease: release only
+    moves ``expires_at`` to now, and the reaper deletes long-expired rows."""
+
+    __tablename__ = LOCKS_TABLE
+
+    key: Mapped[str] = mapped_column(String(255), primary_key=True)
+    #: 0 for a mutex; 0..N-1 for a concurrency limit of N.
+    slot: Mapped[int] = mapped_column(SmallInteger, primary_key=True, default=0)
+    #: Random per acquisition: a redelivered task or a stale worker never matches it.
+    owner: Mapped[str] = mapped_column(String(32))
+    #: Fencing token: strictly increasing across all grants of all keys.
+    token: Mapped[int] = mapped_column(BigInteger)
+    acquired_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    task_name: Mapped[str | None] = mapped_column(String(255))
+    task_id: Mapped[str | None] = mapped_column(String(255))
+    hostname: Mapped[str | None] = mapped_column(String(255))
+    pid: Mapped[int | None] = mapped_column(Integer)
+
+    def __repr__(self) -> str:
+        return f"TaskLock(key={self.key!r}, slot={self.slot}, owner={self.owner!r}, token={self.token})"

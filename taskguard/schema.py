@@ -1,0 +1,175 @@
+"""Schema management: taskguard's Alembic migrations, applied to an existing database.
+
+``taskguard db upgrade`` (and :func:`upgrade`) keep their own version table,
+``taskguard_alembic_version``; an application's ``alembic_version`` is never read
+or written. Alternatively an application can add :func:`versions_dir` to its own
+``version_locations`` (the revisions carry the branch label ``taskguard``).
+"""
+
+from __future__ import annotations
+
+import io
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import URL, Engine, create_engine, make_url
+
+from taskguard._db import mask_url, translate_error
+from taskguard.exceptions import ConfigurationError
+from taskguard.models import (
+    HELD_VIEW,
+    LOCKS_TABLE,
+    SQLITE_TOKEN_TABLE,
+    TOKEN_SEQUENCE,
+    VERSION_TABLE,
+)
+
+__all__ = [
+    "BRANCH_LABEL",
+    "TASKGUARD_OBJECTS",
+    "alembic_config",
+    "current",
+    "downgrade",
+    "exclude_taskguard_objects",
+    "head",
+    "include_taskguard_object",
+    "migrations_dir",
+    "sql",
+    "upgrade",
+    "versions_dir",
+]
+
+BRANCH_LABEL = "taskguard"
+#: Every database object taskguard's migrations create.
+TASKGUARD_OBJECTS = frozenset(
+    {LOCKS_TABLE, HELD_VIEW, TOKEN_SEQUENCE, SQLITE_TOKEN_TABLE, VERSION_TABLE, "task_lock_events"}
+)
+
+
+def migrations_dir() -> Path:
+    """Directory of taskguard's Alembic environment (inside the installed package)."""
+    try:
+        path = Path(str(resources.files("taskguard.migrations")))
+    except ModuleNotFoundError:
+        path = Path(__file__).resolve().parent.parent / "migrations"
+    if not (path / "env.py").is_file():
+        raise ConfigurationError(f"taskguard's migrations are missing (looked in {path})")
+    return path
+
+
+def versions_dir() -> Path:
+    """Directory of taskguard's revision files, for an application's ``version_locations``."""
+    return migrations_dir() / "versions"
+
+
+def include_taskguard_object(
+    obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any
+) -> bool:
+    """Alembic ``include_object`` hook that sees only taskguard's objects.
+
+    SQLite's token counter lives outside the ORM metadata (it has no PostgreSQL
+    counterpart), so it is not compared.
+    """
+    if type_ == "table":
+        return name in TASKGUARD_OBJECTS and name not in (SQLITE_TOKEN_TABLE, VERSION_TABLE)
+    table = getattr(obj, "table", None)
+    return table is None or table.name in TASKGUARD_OBJECTS
+
+
+def exclude_taskguard_objects(
+    obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any
+) -> bool:
+    """Alembic ``include_object`` hook for an *application's* env.py: hides
+    taskguard's tables so autogenerate never proposes dropping them."""
+    if type_ == "table":
+        return name not in TASKGUARD_OBJECTS
+    table = getattr(obj, "table", None)
+    return table is None or table.name not in TASKGUARD_OBJECTS
+
+
+def alembic_config(url: str | URL | None = None, *, stdout: Any = None) -> Config:
+    """An Alembic :class:`~alembic.config.Config` for taskguard's migrations.
+
+    The URL is passed as an attribute, not through the ini parser, so passwords
+    with ``%`` survive.
+    """
+    cfg = Config(stdout=stdout) if stdout is not None else Config()
+    cfg.set_main_option("script_location", str(migrations_dir()))
+    if url is not None:
+        cfg.attributes["url"] = url if isinstance(url, str) else url.render_as_string(False)
+    return cfg
+
+
+def _engine(url_or_engine: str | URL | Engine) -> tuple[Engine, bool]:
+    if isinstance(url_or_engine, Engine):
+        return url_or_engine, False
+    try:
+        return create_engine(make_url(url_or_engine)), True
+    except Exception as exc:
+        raise ConfigurationError(
+            f"invalid database URL {mask_url(url_or_engine)!r}: {exc}"
+        ) from None
+
+
+def _run_online(url_or_engine: str | URL | Engine, fn: Any, revision: str) -> None:
+    engine, owned = _engine(url_or_engine)
+    try:
+        with engine.begin() as conn:
+            cfg = alembic_config()
+            cfg.attributes["connection"] = conn
+            fn(cfg, revision)
+    except ConfigurationError:
+        raise
+    except Exception as exc:
+        if type(exc).__module__.startswith(("sqlalchemy", "psycopg", "sqlite3")):
+            raise translate_error(exc, mask_url(engine.url)) from exc
+        raise
+    finally:
+        if owned:
+            engine.dispose()
+
+
+def upgrade(url_or_engine: str | URL | Engine, revision: str = "heads") -> None:
+    """Apply taskguard's migrations up to ``revision`` (idempotent)."""
+    _run_online(url_or_engine, command.upgrade, revision)
+
+
+def downgrade(url_or_engine: str | URL | Engine, revision: str = "base") -> None:
+    """Revert taskguard's migrations down to ``revision`` (``base`` removes everything)."""
+    _run_online(url_or_engine, command.downgrade, revision)
+
+
+def current(url_or_engine: str | URL | Engine) -> list[str]:
+    """Revisions applied to the database (empty if none), from taskguard's own version table."""
+    engine, owned = _engine(url_or_engine)
+    try:
+        with engine.connect() as conn:
+            ctx = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
+            return sorted(ctx.get_current_heads())
+    except Exception as exc:
+        raise translate_error(exc, mask_url(engine.url)) from exc
+    finally:
+        if owned:
+            engine.dispose()
+
+
+def head() -> str:
+    """The newest revision shipped with this version of taskguard."""
+    heads = ScriptDirectory.from_config(alembic_config()).get_heads()
+    return heads[0]
+
+
+def sql(url: str | URL, revision: str = "heads", *, from_revision: str | None = None) -> str:
+    """The DDL ``upgrade`` would run, for a DBA to review (Alembic offline mode).
+    No connection is made; only the URL's dialect matters."""
+    buf = io.StringIO()
+    cfg = alembic_config(url, stdout=buf)
+    cfg.output_buffer = buf
+    target = f"{from_revision}:{revision}" if from_revision else revision
+    command.upgrade(cfg, target, sql=True)
+    return buf.getvalue()

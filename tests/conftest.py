@@ -1,0 +1,137 @@
+"""Shared fixtures: an isolated, migrated database per test.
+
+PostgreSQL: taskguard's migrations run once into a template database; each test
+gets ``CREATE DATABASE … TEMPLATE`` (tens of milliseconds) and drops it after.
+SQLite: a migrated file is copied per test.
+
+When PostgreSQL is unreachable the tests that need it FAIL (never skip), unless
+TASKGUARD_ALLOW_NO_PG=1 is set for a local run without a server.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from sqlalchemy.engine import make_url
+
+from taskguard import TaskGuard, schema
+
+PG_URL = os.environ.get(
+    "TASKGUARD_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+REDIS_URL = os.environ.get("TASKGUARD_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+AMQP_URL = os.environ.get("TASKGUARD_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+
+
+def _libpq(url: str, database: str | None = None) -> str:
+    u = make_url(url)
+    if database is not None:
+        u = u.set(database=database)
+    return u.set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def _admin() -> psycopg.Connection[tuple[object, ...]]:
+    return psycopg.connect(_libpq(PG_URL), autocommit=True, connect_timeout=5)
+
+
+def _template_name() -> str:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    return f"taskguard_tpl_{worker}_{os.getpid()}"
+
+
+@pytest.fixture(scope="session")
+def pg_template() -> Iterator[str]:
+    """Name of a migrated template database (created once per test session)."""
+    try:
+        admin = _admin()
+    except psycopg.OperationalError as exc:
+        if os.environ.get("TASKGUARD_ALLOW_NO_PG") == "1":
+            pytest.skip(f"PostgreSQL unreachable at {PG_URL}: {exc}")
+        pytest.fail(
+            f"PostgreSQL is required at {PG_URL} (set TASKGUARD_TEST_PG_URL), "
+            f"but it is unreachable: {exc}",
+            pytrace=False,
+        )
+    name = _template_name()
+    with admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.execute(f'CREATE DATABASE "{name}"')
+    schema.upgrade(make_url(PG_URL).set(database=name))
+    yield name
+    with _admin() as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def new_pg_database(template: str | None) -> str:
+    """Create a fresh database (a clone of ``template`` or empty); returns its URL."""
+    name = f"tg_{uuid.uuid4().hex[:12]}"
+    with _admin() as admin:
+        if template:
+            admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
+        else:
+            admin.execute(f'CREATE DATABASE "{name}"')
+    return make_url(PG_URL).set(database=name).render_as_string(hide_password=False)
+
+
+def drop_pg_database(url: str) -> None:
+    name = make_url(url).database
+    with _admin() as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def pg_url(pg_template: str) -> Iterator[str]:
+    """URL of a migrated, empty PostgreSQL database private to this test."""
+    url = new_pg_database(pg_template)
+    yield url
+    drop_pg_database(url)
+
+
+@pytest.fixture
+def empty_pg_url(pg_template: str) -> Iterator[str]:
+    """URL of an empty PostgreSQL database (no taskguard schema) private to this test."""
+    url = new_pg_database(None)
+    yield url
+    drop_pg_database(url)
+
+
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("sqlite-template") / "template.sqlite"
+    schema.upgrade(f"sqlite:///{path}")
+    return path
+
+
+@pytest.fixture
+def sqlite_url(sqlite_template: Path, tmp_path: Path) -> str:
+    """URL of a migrated SQLite file private to this test."""
+    path = tmp_path / "locks.sqlite"
+    shutil.copyfile(sqlite_template, path)
+    return f"sqlite:///{path}"
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def db_url(request: pytest.FixtureRequest) -> str:
+    """Each test using this runs once per supported database."""
+    fixture = "pg_url" if request.param == "postgresql" else "sqlite_url"
+    return str(request.getfixturevalue(fixture))
+
+
+@pytest.fixture
+def guard(db_url: str) -> Iterator[TaskGuard]:
+    g = TaskGuard(db_url)
+    yield g
+    g.dispose()
+
+
+@pytest.fixture
+def pg_guard(pg_url: str) -> Iterator[TaskGuard]:
+    g = TaskGuard(pg_url)
+    yield g
+    g.dispose()

@@ -1,0 +1,180 @@
+"""taskguard's migrations inside an application's existing database."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import create_engine, inspect, text
+
+from taskguard import TaskGuard, metadata, schema
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _app_tables(url: str) -> None:
+    """An application with its own tables and its own Alembic history."""
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE feeds (id INTEGER PRIMARY KEY, url VARCHAR(200))"))
+        conn.execute(text("INSERT INTO feeds VALUES (1, 'https://example.org/rss')"))
+        conn.execute(text("CREATE TABLE alembic_version (version_num VARCHAR(32) PRIMARY KEY)"))
+        conn.execute(text("INSERT INTO alembic_version VALUES ('app_0042')"))
+    engine.dispose()
+
+
+def _app_state(url: str) -> tuple[list[tuple[object, ...]], list[tuple[object, ...]]]:
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        versions = [tuple(r) for r in conn.execute(text("SELECT * FROM alembic_version"))]
+        feeds = [tuple(r) for r in conn.execute(text("SELECT * FROM feeds"))]
+    engine.dispose()
+    return versions, feeds
+
+
+def _objects(url: str) -> set[str]:
+    engine = create_engine(url)
+    insp = inspect(engine)
+    names = set(insp.get_table_names()) | set(insp.get_view_names())
+    if engine.dialect.name == "postgresql":
+        names |= set(insp.get_sequence_names())
+    engine.dispose()
+    return names
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def app_db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "postgresql":
+        url = str(request.getfixturevalue("empty_pg_url"))
+    else:
+        url = f"sqlite:///{tmp_path / 'app.sqlite'}"
+    _app_tables(url)
+    return url
+
+
+def test_upgrade_downgrade_upgrade_leaves_the_app_alone(app_db: str) -> None:
+    before = _app_state(app_db)
+    schema.upgrade(app_db)
+    schema.upgrade(app_db)  # idempotent
+    assert schema.current(app_db) == [schema.head()]
+    assert {"task_locks", "task_locks_held", "taskguard_alembic_version"} <= _objects(app_db)
+    guard = TaskGuard(app_db)
+    assert guard.acquire("k", 30) is not None
+    guard.dispose()
+
+    schema.downgrade(app_db)
+    assert schema.current(app_db) == []
+    left = _objects(app_db)
+    assert "task_locks" not in left and "task_locks_held" not in left
+    assert {"feeds", "alembic_version"} <= left
+
+    schema.upgrade(app_db)
+    assert schema.current(app_db) == [schema.head()]
+    assert _app_state(app_db) == before  # app's alembic_version row and data untouched
+
+
+def test_models_and_migrations_never_drift(db_url: str) -> None:
+    engine = create_engine(db_url)
+    with engine.connect() as conn:
+        ctx = MigrationContext.configure(
+            conn,
+            opts={
+                "include_object": schema.include_taskguard_object,
+                "compare_type": True,
+                "compare_server_default": True,
+            },
+        )
+        diff = compare_metadata(ctx, metadata)
+    engine.dispose()
+    assert diff == []
+
+
+def test_offline_sql_names_every_object() -> None:
+    ddl = schema.sql("postgresql+psycopg://u:secret@h/db")
+    for name in (
+        "CREATE TABLE task_locks",
+        "CREATE SEQUENCE task_locks_token_seq",
+        "CREATE VIEW task_locks_held",
+        "taskguard_alembic_version",
+    ):
+        assert name in ddl
+    assert "alembic_version (" not in ddl.replace("taskguard_alembic_version (", "")
+
+
+def test_the_root_revision_carries_the_branch_label() -> None:
+    from alembic.script import ScriptDirectory
+
+    scripts = ScriptDirectory.from_config(schema.alembic_config())
+    base = scripts.get_revision(scripts.get_bases()[0])
+    assert base is not None and "taskguard" in base.branch_labels
+
+
+def test_installed_wheel_migrates_an_existing_database(tmp_path: Path, empty_pg_url: str) -> None:
+    """Build the wheel, install it into a fresh venv, and run its console script."""
+    _app_tables(empty_pg_url)
+    before = _app_state(empty_pg_url)
+    dist = tmp_path / "dist"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(dist),
+            str(REPO),
+        ],
+        check=True,
+    )
+    wheel = next(dist.glob("taskguard-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "taskguard/migrations/env.py" in names
+    assert any(n.startswith("taskguard/migrations/versions/0001_") for n in names)
+    assert "taskguard/py.typed" in names
+
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
+    py = env_dir / "bin" / "python"
+    # The system pip (visible through system site-packages) installs into the venv.
+    subprocess.run(
+        [
+            str(py),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            "--force-reinstall",
+            str(wheel),
+        ],
+        check=True,
+        cwd=tmp_path,
+    )
+    where = subprocess.run(
+        [str(py), "-I", "-c", "import taskguard; print(taskguard.__file__)"],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    ).stdout.strip()
+    assert where.startswith(str(env_dir)), where  # not the source tree, not the dev install
+    run = subprocess.run(
+        [str(env_dir / "bin" / "taskguard"), "db", "upgrade", "--database-url", empty_pg_url],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "tg0001" in run.stdout
+    assert {"task_locks", "task_locks_held"} <= _objects(empty_pg_url)
+    assert _app_state(empty_pg_url) == before
