@@ -44,9 +44,14 @@ def _is_memory_sqlite(url: URL) -> bool:
     return url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:")
 
 
-def create_lock_engine(url: str | URL, **kwargs: Any) -> Engine:
+def create_lock_engine(url: str | URL, *, durable: bool = True, **kwargs: Any) -> Engine:
     """An engine configured for lock statements: autocommit, and for SQLite WAL
-    plus a busy timeout so several processes can share one file."""
+    plus a busy timeout so several processes can share one file.
+
+    ``durable=False`` (PostgreSQL) commits lock statements with
+    ``synchronous_commit=off``: faster, but grants acknowledged in the last few
+    hundred milliseconds before a database crash can be lost (docs/reliability.md).
+    """
     try:
         parsed = make_url(url)
     except sa_exc.ArgumentError as exc:
@@ -63,6 +68,17 @@ def create_lock_engine(url: str | URL, **kwargs: Any) -> Engine:
         engine = create_engine(parsed, **options)
     except (sa_exc.ArgumentError, ImportError) as exc:
         raise ConfigurationError(f"cannot use database URL {mask_url(url)!r}: {exc}") from None
+    if not durable:
+        if parsed.get_backend_name() != "postgresql":
+            raise ConfigurationError("durable=False (relaxed durability) needs PostgreSQL")
+
+        @event.listens_for(engine, "connect")
+        def _relaxed(dbapi_conn: Any, _record: Any) -> None:
+            prev = dbapi_conn.autocommit
+            dbapi_conn.autocommit = True
+            dbapi_conn.execute("SET synchronous_commit TO off")
+            dbapi_conn.autocommit = prev
+
     if parsed.get_backend_name() == "sqlite" and not _is_memory_sqlite(parsed):
 
         @event.listens_for(engine, "connect")
@@ -106,15 +122,19 @@ def translate_error(exc: BaseException, url: str) -> TaskGuardError:
 class Executor:
     """Runs compiled lock statements on the guard's own autocommit connections."""
 
-    def __init__(self, url_or_engine: str | URL | Engine, **engine_kwargs: Any) -> None:
+    def __init__(
+        self, url_or_engine: str | URL | Engine, *, durable: bool = True, **engine_kwargs: Any
+    ) -> None:
         if isinstance(url_or_engine, Engine):
+            if not durable:
+                raise ConfigurationError("durable=False needs a URL (taskguard's own engine)")
             self.engine = url_or_engine
             self.owns_engine = False
             # A caller's engine keeps its isolation level; we switch the borrowed
             # DBAPI connection to autocommit and back (an attribute, no round trip).
             self._toggle_autocommit = True
         elif isinstance(url_or_engine, (str, URL)):
-            self.engine = create_lock_engine(url_or_engine, **engine_kwargs)
+            self.engine = create_lock_engine(url_or_engine, durable=durable, **engine_kwargs)
             self.owns_engine = True
             self._toggle_autocommit = False
             if hasattr(os, "register_at_fork"):

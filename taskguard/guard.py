@@ -54,6 +54,10 @@ class TaskGuard:
 
     Every method is a single short statement judged by the database clock, and is
     safe to call from several threads.
+
+    ``durable=False`` (PostgreSQL, own engine only) trades crash durability of
+    recent grants for speed; see docs/reliability.md before using it.
+    Extra keyword arguments go to :func:`sqlalchemy.create_engine`.
     """
 
     def __init__(
@@ -61,9 +65,11 @@ class TaskGuard:
         url_or_engine: str | URL | Engine,
         *,
         hostname: str | None = None,
+        durable: bool = True,
         **engine_kwargs: Any,
     ) -> None:
-        self._db = Executor(url_or_engine, **engine_kwargs)
+        self._db = Executor(url_or_engine, durable=durable, **engine_kwargs)
+        self.durable = durable
         self._sql = self._db.sql
         self.hostname = hostname or _HOSTNAME
 

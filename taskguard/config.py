@@ -1,0 +1,81 @@
+"""Settings, read the Celery way: ``app.conf.taskguard_*`` first, then the
+environment. One :class:`TaskGuard` (one engine, one small pool) per process and
+URL, created lazily; TaskGuard's own engines drop inherited connections after a
+fork, so prefork children never share a socket with the parent.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from taskguard.exceptions import ConfigurationError
+from taskguard.guard import TaskGuard
+
+__all__ = ["DEFAULTS", "ENV_DATABASE_URL", "database_url", "guard_for", "reset_guards", "setting"]
+
+ENV_DATABASE_URL = "TASKGUARD_DATABASE_URL"
+
+#: Every ``taskguard_*`` setting and its default.
+DEFAULTS: dict[str, Any] = {
+    "taskguard_database_url": None,
+    #: Lease length when a task does not say (seconds); renewed every ttl/3 while it runs.
+    "taskguard_default_ttl": 300.0,
+    #: False: PostgreSQL synchronous_commit=off for lock statements (see docs/reliability.md).
+    "taskguard_durable": True,
+    #: Extra keyword arguments for sqlalchemy.create_engine.
+    "taskguard_engine_options": {},
+    #: Reaper: delete rows whose lease ended more than this many seconds ago.
+    "taskguard_reaper_grace": 300.0,
+    "taskguard_reaper_batch_size": 5000,
+}
+
+_guards: dict[tuple[str, bool], TaskGuard] = {}
+_guards_lock = threading.Lock()
+
+
+def setting(app: Any, name: str) -> Any:
+    """``app.conf[name]`` if set, else the default from :data:`DEFAULTS`."""
+    if name not in DEFAULTS:
+        raise ConfigurationError(f"unknown taskguard setting {name!r}")
+    conf = getattr(app, "conf", None) if app is not None else None
+    value = conf.get(name) if conf is not None else None
+    return DEFAULTS[name] if value is None else value
+
+
+def database_url(app: Any = None) -> str:
+    """The lock database URL: ``app.conf.taskguard_database_url``, else
+    ``$TASKGUARD_DATABASE_URL``; a :class:`ConfigurationError` naming both if neither is set."""
+    url = setting(app, "taskguard_database_url") or os.environ.get(ENV_DATABASE_URL)
+    if not url:
+        raise ConfigurationError(
+            "taskguard has no database URL: set app.conf.taskguard_database_url "
+            f"or the {ENV_DATABASE_URL} environment variable"
+        )
+    return str(url)
+
+
+def guard_for(app: Any = None) -> TaskGuard:
+    """The process-wide :class:`TaskGuard` for ``app``'s configuration."""
+    url = database_url(app)
+    durable = bool(setting(app, "taskguard_durable"))
+    key = (url, durable)
+    guard = _guards.get(key)
+    if guard is not None:
+        return guard
+    with _guards_lock:
+        guard = _guards.get(key)
+        if guard is None:
+            options = dict(setting(app, "taskguard_engine_options") or {})
+            guard = TaskGuard(url, durable=durable, **options)
+            _guards[key] = guard
+        return guard
+
+
+def reset_guards() -> None:
+    """Dispose every cached guard (tests, or after changing settings)."""
+    with _guards_lock:
+        for guard in _guards.values():
+            guard.dispose()
+        _guards.clear()
