@@ -142,19 +142,29 @@ def test_installed_wheel_migrates_an_existing_database(tmp_path: Path, empty_pg_
     assert "taskguard/py.typed" in names
 
     env_dir = tmp_path / "venv"
-    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
+    venv.EnvBuilder(with_pip=False).create(env_dir)
     py = env_dir / "bin" / "python"
-    # The system pip (visible through system site-packages) installs into the venv.
+    purelib = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    # Dependencies come from this test's environment (a plain path entry, so its .pth
+    # files - e.g. an editable taskguard - are not processed); taskguard itself only
+    # from the wheel, installed by this environment's pip into the new venv.
+    Path(purelib, "deps.pth").write_text("\n".join(p for p in sys.path if p.endswith("-packages")))
     subprocess.run(
         [
-            str(py),
+            sys.executable,
             "-m",
             "pip",
+            "--python",
+            str(py),
             "install",
             "-q",
             "--no-deps",
             "--no-index",
-            "--force-reinstall",
             str(wheel),
         ],
         check=True,
