@@ -29,6 +29,9 @@ DEFAULTS: dict[str, Any] = {
     #: Reaper: delete rows whose lease ended more than this many seconds ago.
     "taskguard_reaper_grace": 300.0,
     "taskguard_reaper_batch_size": 5000,
+    #: Seconds between reaper runs. When set, importing taskguard puts the reaper on the
+    #: beat schedule of every app that has it (otherwise call taskguard.schedule_reaper(app)).
+    "taskguard_reaper_interval": None,
 }
 
 _guards: dict[tuple[str, bool], TaskGuard] = {}
