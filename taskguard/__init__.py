@@ -1,5 +1,12 @@
 """taskguard: per-key locks for Celery tasks, kept as rows in your own SQL database."""
 
+from taskguard.celery import (
+    GuardedTask,
+    check_lease,
+    current_lease,
+    guarded_task,
+    is_skipped,
+)
 from taskguard.exceptions import (
     AlreadyLocked,
     ConfigurationError,
@@ -13,9 +20,11 @@ from taskguard.exceptions import (
     TaskGuardError,
 )
 from taskguard.guard import ReapResult, TaskGuard
+from taskguard.history import LockEvent
 from taskguard.keys import normalize_key, validate_ttl
 from taskguard.lease import Holder, Lease, LockInfo
-from taskguard.models import TaskLock, metadata
+from taskguard.models import TaskLock, TaskLockEvent, metadata
+from taskguard.reaper import reap_expired_locks, schedule_reaper
 
 __version__ = "0.1.0"
 
@@ -23,11 +32,13 @@ __all__ = [
     "AlreadyLocked",
     "ConfigurationError",
     "DatabaseUnavailable",
+    "GuardedTask",
     "Holder",
     "InvalidKey",
     "InvalidTTL",
     "Lease",
     "LeaseLost",
+    "LockEvent",
     "LockHeld",
     "LockInfo",
     "OutcomeUnknown",
@@ -36,8 +47,15 @@ __all__ = [
     "TaskGuard",
     "TaskGuardError",
     "TaskLock",
+    "TaskLockEvent",
     "__version__",
+    "check_lease",
+    "current_lease",
+    "guarded_task",
+    "is_skipped",
     "metadata",
     "normalize_key",
+    "reap_expired_locks",
+    "schedule_reaper",
     "validate_ttl",
 ]

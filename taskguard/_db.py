@@ -57,6 +57,11 @@ def create_lock_engine(url: str | URL, *, durable: bool = True, **kwargs: Any) -
     except sa_exc.ArgumentError as exc:
         raise ConfigurationError(f"invalid database URL {mask_url(url)!r}: {exc}") from None
     options: dict[str, Any] = {"isolation_level": "AUTOCOMMIT", **kwargs}
+    if options["isolation_level"] == "AUTOCOMMIT":
+        # Every statement commits by itself, so a connection never goes back to the
+        # pool inside a transaction: the pool's ROLLBACK-on-return is pure overhead
+        # on the hot path (one per lock statement).
+        options.setdefault("pool_reset_on_return", None)
     if parsed.get_backend_name() == "sqlite":
         connect_args = options.setdefault("connect_args", {})
         connect_args.setdefault("timeout", SQLITE_BUSY_TIMEOUT)
@@ -106,6 +111,17 @@ def translate_error(exc: BaseException, url: str) -> TaskGuardError:
     sqlstate = getattr(exc, "sqlstate", None) or getattr(
         getattr(exc, "orig", None), "sqlstate", None
     )
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    if (
+        sqlstate == "42703"
+        or "no such column" in low
+        or (sqlstate is None and "column" in low and "does not exist" in low)
+    ):
+        # A column a newer migration adds: the code was deployed before the upgrade.
+        return SchemaMissing(
+            f"taskguard's schema in {url} is older than this version of taskguard: run "
+            f"`taskguard db upgrade --database-url ...` ({first})"
+        )
     if (
         sqlstate == "42P01"
         or "no such table" in low
@@ -113,9 +129,8 @@ def translate_error(exc: BaseException, url: str) -> TaskGuardError:
     ):
         return SchemaMissing(
             f"taskguard's tables are missing in {url}: run `taskguard db upgrade "
-            f"--database-url ...` first ({text.strip().splitlines()[0]})"
+            f"--database-url ...` first ({first})"
         )
-    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     return DatabaseUnavailable(f"lock database {url} unavailable: {first}", url)
 
 

@@ -55,22 +55,30 @@ class LockHeld(TaskGuardError):
 
     ``holder`` describes the current holder as read right after the conflict (it
     can be ``None`` when the holder released between our attempt and the read).
+    The exception's ``args`` are ``(key, None, message)`` so that it survives
+    Celery's JSON result backend (which rebuilds exceptions as ``cls(*args)``):
+    after such a round trip ``holder`` is ``None`` but the message still names it.
     """
 
-    def __init__(self, key: str, holder: LockInfo | None) -> None:
+    def __init__(
+        self, key: str, holder: LockInfo | None = None, message: str | None = None
+    ) -> None:
         self.key = key
         self.holder = holder
         self.expires_at: datetime | None = holder.expires_at if holder else None
-        super().__init__(self._describe())
+        super().__init__(key, None, message or self._describe())
 
     def _describe(self) -> str:
         if self.holder is None:
             return f"lock {self.key!r} is held (holder released before it could be read)"
         return f"lock {self.key!r} is held by {self.holder.describe()}"
 
+    def __str__(self) -> str:
+        return str(self.args[2])
+
     def __reduce__(self) -> tuple[object, ...]:
-        # Celery pickles/serialises exceptions into results; keep the fields.
-        return (type(self), (self.key, self.holder))
+        # pickle keeps the full holder; JSON transports use args (see class docstring).
+        return (type(self), (self.key, self.holder, str(self)))
 
 
 class AlreadyLocked(LockHeld):
@@ -84,10 +92,11 @@ class LeaseLost(TaskGuardError):
         self.key = key
         self.owner = owner
         self.reason = reason
-        super().__init__(f"lease on {key!r} (owner {owner}) was lost: {reason}")
+        # All three in args: rebuilt as cls(*args) by Celery's JSON result backend.
+        super().__init__(key, owner, reason)
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.key, self.owner, self.reason))
+    def __str__(self) -> str:
+        return f"lease on {self.key!r} (owner {self.owner}) was lost: {self.reason}"
 
 
 class DatabaseUnavailable(TaskGuardError):

@@ -1,11 +1,17 @@
 """The programmatic API: :class:`TaskGuard`. The CLI and the Celery glue are
-thin layers over it."""
+thin layers over it.
+
+This module holds the lease operations (the hot path); inspection, the reaper
+and history live in :mod:`taskguard.operations`, waiting in
+:mod:`taskguard.waiting`, fencing in :mod:`taskguard.fencing`.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import socket
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -13,50 +19,63 @@ from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import URL, Engine
+from sqlalchemy.engine import Connection
+from sqlalchemy.orm import Session
 
+from taskguard import history as _history
 from taskguard._db import Executor
 from taskguard.exceptions import (
+    ConfigurationError,
     DatabaseUnavailable,
-    InvalidKey,
     LockHeld,
     OutcomeUnknown,
     SchemaMissing,
 )
+from taskguard.fencing import fence
 from taskguard.keys import normalize_key, validate_ttl
-from taskguard.lease import Holder, Lease, LockInfo
+from taskguard.lease import Lease, LockInfo
+from taskguard.operations import DEFAULT_HISTORY_RETENTION, GuardOperations, ReapResult
+from taskguard.waiting import wait_for
 
-__all__ = ["ReapResult", "TaskGuard"]
+__all__ = ["MAX_LIMIT", "ReapResult", "TaskGuard"]
 
 log = logging.getLogger("taskguard")
 
 _HOSTNAME = socket.gethostname()
-# Cap on rows returned by held(); an operator listing more wants SQL, not a list.
-_DEFAULT_LIMIT = 10_000
+#: Largest concurrency limit: each acquire looks at up to this many slot rows.
+MAX_LIMIT = 1000
 
 
-class ReapResult(int):
-    """Number of rows a reap removed (an ``int``), plus how many batches it took."""
-
-    batches: int
-
-    def __new__(cls, removed: int, batches: int) -> ReapResult:
-        obj = super().__new__(cls, removed)
-        obj.batches = batches
-        return obj
+def _limit(limit: object, slot: int) -> int:
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+        raise ConfigurationError(f"limit must be an int from 1 to {MAX_LIMIT}, got {limit!r}")
+    if limit > 1 and slot != 0:
+        raise ConfigurationError("pass either limit= (any free slot) or slot=, not both")
+    return limit
 
 
-class TaskGuard:
+def _wait(wait: object) -> float:
+    if wait is None or wait == 0:
+        return 0.0
+    return validate_ttl(wait, name="wait")
+
+
+class TaskGuard(GuardOperations):
     """Per-key leases stored in ``task_locks``.
 
     ``url_or_engine`` is a SQLAlchemy URL (taskguard creates and owns a small
     autocommit engine) or an existing :class:`~sqlalchemy.Engine` (taskguard
     borrows its pool, one statement at a time, never joining a transaction).
 
-    Every method is a single short statement judged by the database clock, and is
-    safe to call from several threads.
+    Every lease operation is one short statement (two at most under a concurrency
+    limit) judged by the database clock, and is safe to call from several threads;
+    only ``acquire(..., wait=...)`` blocks, and only up to its timeout.
 
     ``durable=False`` (PostgreSQL, own engine only) trades crash durability of
     recent grants for speed; see docs/reliability.md before using it.
+    ``history=True`` records every grant, conflict, release and loss in
+    ``task_lock_events`` (one extra statement per operation; see
+    ``taskguard explain``); the reaper trims it to ``history_retention`` seconds.
     Extra keyword arguments go to :func:`sqlalchemy.create_engine`.
     """
 
@@ -66,12 +85,16 @@ class TaskGuard:
         *,
         hostname: str | None = None,
         durable: bool = True,
+        history: bool = False,
+        history_retention: float | timedelta = DEFAULT_HISTORY_RETENTION,
         **engine_kwargs: Any,
     ) -> None:
         self._db = Executor(url_or_engine, durable=durable, **engine_kwargs)
         self.durable = durable
         self._sql = self._db.sql
         self.hostname = hostname or _HOSTNAME
+        self.history = bool(history)
+        self.history_retention = validate_ttl(history_retention, name="history_retention")
 
     # -- introspection -------------------------------------------------------------
 
@@ -84,10 +107,6 @@ class TaskGuard:
     def url(self) -> str:
         """The database URL with the password masked."""
         return self._db.url
-
-    @property
-    def dialect_name(self) -> str:
-        return self._sql.dialect_name
 
     def __repr__(self) -> str:
         return f"TaskGuard({self.url!r})"
@@ -104,16 +123,33 @@ class TaskGuard:
         hostname: str | None = None,
         pid: int | None = None,
         slot: int = 0,
+        limit: int = 1,
+        min_hold: float | timedelta | None = None,
+        wait: float | timedelta | None = None,
     ) -> Lease | None:
         """Take ``key`` for ``ttl`` seconds if it is free or its lease expired.
 
-        Never blocks on a held key: returns ``None`` (and logs the holder) when the
-        key is held. One ``INSERT … ON CONFLICT DO UPDATE … WHERE expired`` statement.
-        Holder details are for people reading the table; ownership is the random
-        ``owner`` on the returned :class:`Lease`.
+        Returns ``None`` (and logs the holder) when the key is held. One
+        ``INSERT … ON CONFLICT DO UPDATE … WHERE expired`` statement. Holder details
+        are for people reading the table; ownership is the random ``owner`` on the
+        returned :class:`Lease`.
+
+        * ``limit=N``: at most N holders at once, one row (slot) each; the lease
+          says which ``slot`` it got. Use the same N everywhere for a key.
+        * ``min_hold=S``: throttle window. The key stays taken until at least S
+          seconds after this grant, even after release or a crash (at most one run
+          per window). Renewals keep the window too.
+        * ``wait=T``: if the key is held, wait up to T seconds for it (woken by the
+          release on PostgreSQL, polling on SQLite; the longest waiter goes first).
+          Without it, ``acquire`` never blocks.
         """
         key = normalize_key(key)
         seconds = validate_ttl(ttl)
+        if limit != 1 or min_hold is not None or wait is not None or type(limit) is not int:
+            return self._acquire_ext(
+                key, seconds, _limit(limit, slot), min_hold, _wait(wait), slot,
+                task_name, task_id, hostname, pid,
+            )  # fmt: skip
         owner = uuid.uuid4().hex
         values = {
             "key": key,
@@ -125,73 +161,149 @@ class TaskGuard:
             "hostname": hostname if hostname is not None else self.hostname,
             "pid": pid if pid is not None else os.getpid(),
         }
+        lease = self._try(key, values, 1, seconds, 0.0)
+        if lease is None:
+            self._conflict(key, values)
+        elif self.history:
+            _history.record_acquired(self, lease, values, None)
+        return lease
+
+    def _acquire_ext(
+        self,
+        key: str,
+        seconds: float,
+        limit: int,
+        min_hold: float | timedelta | None,
+        wait: float,
+        slot: int,
+        task_name: str | None,
+        task_id: str | None,
+        hostname: str | None,
+        pid: int | None,
+    ) -> Lease | None:
+        """acquire() with a concurrency limit, a throttle window or waiting."""
+        hold = 0.0 if min_hold is None or min_hold == 0 else validate_ttl(min_hold, name="min_hold")
+        values = {
+            "key": key,
+            "slot": slot,
+            "n": limit,
+            "owner": uuid.uuid4().hex,  # one owner for every attempt: the queue knows it
+            # The row itself keeps the window: a crashed holder frees it no earlier.
+            "ttl": self._sql.seconds_param(max(seconds, hold)),
+            "task_name": task_name,
+            "task_id": task_id,
+            "hostname": hostname if hostname is not None else self.hostname,
+            "pid": pid if pid is not None else os.getpid(),
+        }
+        lease = self._try(key, values, limit, seconds, hold)
+        waited = None
+        if lease is None and wait > 0:
+            started = time.monotonic()
+            holder = self._current_holder(key)
+            log.info(
+                "lock %r is held by %s; waiting up to %gs",
+                key,
+                holder.describe() if holder else "a holder that just released",
+                wait,
+            )
+            lease = wait_for(
+                self,
+                lambda: self._try(key, values, limit, seconds, hold),
+                key,
+                values["owner"],
+                range(slot, slot + 1) if limit == 1 else range(limit),
+                wait,
+            )
+            waited = time.monotonic() - started
+        if lease is None:
+            self._conflict(key, values, waited)
+        elif self.history:
+            _history.record_acquired(self, lease, values, waited)
+        return lease
+
+    def _try(
+        self, key: str, values: dict[str, Any], limit: int, seconds: float, hold: float
+    ) -> Lease | None:
+        """One grant attempt (two statements at most); ``None`` if the key is held."""
+        stmt = self._sql.acquire if limit == 1 else self._sql.acquire_slots
         try:
-            rows, _ = self._db.run(self._sql.acquire, values)
+            rows, _ = self._db.run(stmt, values)
         except (SchemaMissing, OutcomeUnknown):
             raise
         except DatabaseUnavailable as exc:
             # The grant may have committed before the connection broke. Never assume:
             # read back by owner, which is unique to this attempt.
-            recovered = self._recover(key, slot, owner, seconds, exc)
+            recovered = self._recover(key, None if limit > 1 else values["slot"], values, exc)
             if recovered is not None:
+                recovered.ttl, recovered.min_hold = seconds, hold
                 return recovered
-            rows, _ = self._db.run(self._sql.acquire, values)
-        if rows:
+            rows, _ = self._db.run(stmt, values)
+        if limit > 1:
+            if rows and rows[0][1] is None:
+                # Lost the race for a new slot to a concurrent acquirer: one more try
+                # (that slot now exists; the retry takes another or finds all taken).
+                rows, _ = self._db.run(stmt, values)
+            if not rows or rows[0][1] is None:
+                return None
+            slot, token, acquired_at, expires_at = rows[0]
+        elif rows:
+            slot = values["slot"]
             token, acquired_at, expires_at = rows[0]
-            return Lease(
-                key=key,
-                owner=owner,
-                token=int(token),
-                acquired_at=self._sql.to_datetime(acquired_at),
-                expires_at=self._sql.to_datetime(expires_at),
-                ttl=seconds,
-                slot=slot,
-            )
-        self._log_conflict(key)
-        return None
+        else:
+            return None
+        return Lease(
+            key=key,
+            owner=values["owner"],
+            token=int(token),
+            acquired_at=self._sql.to_datetime(acquired_at),
+            expires_at=self._sql.to_datetime(expires_at),
+            ttl=seconds,
+            slot=int(slot),
+            min_hold=hold,
+        )
 
     def _recover(
-        self, key: str, slot: int, owner: str, ttl: float, cause: DatabaseUnavailable
+        self, key: str, slot: int | None, values: dict[str, Any], cause: DatabaseUnavailable
     ) -> Lease | None:
+        owner = values["owner"]
         try:
-            info = self._read_owner(key, slot, owner)
+            if slot is None:
+                rows = self._rows(self._sql.get, {"key": key})
+                info = next((r for r in rows if r.owner == owner), None)
+            else:
+                info = self._read_owner(key, slot, owner)
         except DatabaseUnavailable:
             raise OutcomeUnknown(
                 f"connection to {self.url} broke while acquiring {key!r} and the outcome "
-                f"could not be read back; owner {owner} may hold it for up to {ttl}s",
+                f"could not be read back; owner {owner} may hold it until its ttl ends",
                 key,
                 owner,
                 self.url,
             ) from cause
         if info is not None and info.held:
             log.warning("acquire of %r committed before the connection broke; keeping it", key)
-            return Lease(key, owner, info.token, info.acquired_at, info.expires_at, ttl, slot)
+            return Lease(key, owner, info.token, info.acquired_at, info.expires_at, 0.0, info.slot)
         log.warning("acquire of %r did not take effect before the connection broke; retrying", key)
         return None
 
-    def _log_conflict(self, key: str) -> LockInfo | None:
-        holder = self._current_holder(key)
-        if holder is None:
-            log.info("lock %r busy; holder released before it could be read", key)
-        else:
-            log.info("lock %r is held by %s", key, holder.describe())
-        return holder
-
-    def _current_holder(self, key: str) -> LockInfo | None:
-        live = [info for info in self._rows(self._sql.get, {"key": key}) if info.held]
-        return min(live, key=lambda i: i.expires_at) if live else None
-
     def release(self, lease: Lease) -> bool:
         """Give the lease back. ``True`` if this call ended it; ``False`` if it had
-        already expired or been taken over (a stale owner never touches another's row)."""
-        values = {"key": lease.key, "slot": lease.slot, "owner": lease.owner}
+        already expired or been taken over (a stale owner never touches another's row).
+        Under a throttle window (``min_hold``) the key stays taken until the window ends."""
+        values: dict[str, Any] = {"key": lease.key, "slot": lease.slot, "owner": lease.owner}
+        stmt = self._sql.release
+        if lease.min_hold:
+            stmt = self._sql.release_hold
+            values["hold"] = self._sql.seconds_param(lease.min_hold)
         try:
-            _, count = self._db.run(self._sql.release, values)
+            _, count = self._db.run(stmt, values)
         except DatabaseUnavailable as exc:
             info = self._reread_or_unknown(lease, "releasing", exc)
             if info is None or info.owner != lease.owner or not info.held:
                 return False
-            _, count = self._db.run(self._sql.release, values)
+            _, count = self._db.run(stmt, values)
+        if self.history:
+            self._record_end(lease, "released" if count == 1 else "lost", "at release")
         return count == 1
 
     def renew(self, lease: Lease, ttl: float | timedelta | None = None) -> bool:
@@ -204,27 +316,47 @@ class TaskGuard:
             "owner": lease.owner,
             "ttl": self._sql.seconds_param(seconds),
         }
+        stmt = self._sql.renew
+        if lease.min_hold:
+            stmt = self._sql.renew_hold
+            values["hold"] = self._sql.seconds_param(lease.min_hold)
         try:
-            rows, _ = self._db.run(self._sql.renew, values)
+            rows, _ = self._db.run(stmt, values)
         except DatabaseUnavailable as exc:
             info = self._reread_or_unknown(lease, "renewing", exc)
             if info is None or info.owner != lease.owner or not info.held:
                 return False
-            rows, _ = self._db.run(self._sql.renew, values)
+            rows, _ = self._db.run(stmt, values)
         if not rows:
+            if self.history:
+                self._record_end(lease, "lost", "at renewal")
             return False
         lease.expires_at = self._sql.to_datetime(rows[0][2])
         lease.ttl = seconds
         return True
 
-    def adopt(self, key: str, owner: str, ttl: float | timedelta, *, slot: int = 0) -> Lease | None:
+    def adopt(
+        self,
+        key: str,
+        owner: str,
+        ttl: float | timedelta,
+        *,
+        slot: int = 0,
+        min_hold: float | timedelta | None = None,
+    ) -> Lease | None:
         """Take over a live lease by its owner id (e.g. one a publisher acquired and
-        handed to the worker in the message), renewing it to ``ttl``.
+        handed to the worker in the message), renewing it to ``ttl``; pass the
+        lease's ``min_hold`` to keep its throttle window.
         ``None`` if that owner no longer holds the key."""
         key = normalize_key(key)
         seconds = validate_ttl(ttl)
+        hold = 0.0 if min_hold is None or min_hold == 0 else validate_ttl(min_hold, name="min_hold")
         values = {"key": key, "slot": slot, "owner": owner, "ttl": self._sql.seconds_param(seconds)}
-        rows, _ = self._db.run(self._sql.renew, values)
+        stmt = self._sql.renew
+        if hold:
+            stmt = self._sql.renew_hold
+            values["hold"] = self._sql.seconds_param(hold)
+        rows, _ = self._db.run(stmt, values)
         if not rows:
             return None
         token, acquired_at, expires_at = rows[0]
@@ -236,7 +368,13 @@ class TaskGuard:
             self._sql.to_datetime(expires_at),
             seconds,
             slot,
+            hold,
         )
+
+    def fence(self, lease: Lease, session: Session | Connection) -> int:
+        """:meth:`Lease.fence`: check ``lease`` inside ``session``'s transaction and
+        return its token; raises :class:`~taskguard.LeaseLost` if it is not held."""
+        return fence(lease, session)
 
     def _reread_or_unknown(
         self, lease: Lease, doing: str, cause: DatabaseUnavailable
@@ -251,15 +389,6 @@ class TaskGuard:
                 lease.owner,
                 self.url,
             ) from cause
-
-    def is_held_by(self, lease: Lease) -> bool:
-        """Whether ``lease`` is still live by the database clock (one read)."""
-        info = self._read_owner(lease.key, lease.slot, lease.owner)
-        return info is not None and info.held
-
-    def _read_owner(self, key: str, slot: int, owner: str) -> LockInfo | None:
-        rows = self._rows(self._sql.get_owner, {"key": key, "slot": slot, "owner": owner})
-        return rows[0] if rows else None
 
     @contextmanager
     def lock(self, key: str, ttl: float | timedelta, **holder_details: Any) -> Iterator[Lease]:
@@ -279,117 +408,3 @@ class TaskGuard:
                     lease.key,
                     lease.owner,
                 )
-
-    # -- inspection and operations ------------------------------------------------------
-
-    def get(self, key: str) -> LockInfo | None:
-        """The row for ``key`` (slot 0 for a mutex), live or not; ``None`` if there is
-        none. ``info.held`` says whether it is live by the database clock."""
-        rows = self._rows(self._sql.get, {"key": normalize_key(key)})
-        if not rows:
-            return None
-        live = [r for r in rows if r.held]
-        return live[0] if live else rows[0]
-
-    def get_all(self, key: str) -> list[LockInfo]:
-        """Every slot row for ``key`` (several under a concurrency limit)."""
-        return self._rows(self._sql.get, {"key": normalize_key(key)})
-
-    def held(
-        self,
-        prefix: str | None = None,
-        *,
-        include_expired: bool = False,
-        limit: int = _DEFAULT_LIMIT,
-    ) -> list[LockInfo]:
-        """Live leases (or every row with ``include_expired``) whose key starts with
-        ``prefix``, ordered by key."""
-        if prefix is not None and not isinstance(prefix, str):
-            raise InvalidKey(f"prefix must be a str, not {type(prefix).__name__}", prefix)
-        stmt = self._sql.held_all if include_expired else self._sql.held
-        return self._rows(stmt, {"prefix": prefix or "", "limit": int(limit)})
-
-    def force_release(self, key: str) -> bool:
-        """Operator override: end every live lease on ``key`` whoever holds it.
-        The holder's next renew/release returns ``False``. ``True`` if one was live."""
-        key = normalize_key(key)
-        _, count = self._db.run(self._sql.force_release, {"key": key})
-        if count:
-            log.warning("force-released %r (%d live lease(s))", key, count)
-        return count > 0
-
-    def reap(
-        self,
-        *,
-        grace: float | timedelta = 300.0,
-        batch_size: int = 5_000,
-        max_batches: int | None = None,
-        progress: Any = None,
-    ) -> ReapResult:
-        """Delete rows whose lease ended more than ``grace`` seconds ago, in batches of
-        ``batch_size`` (each its own short transaction). Live leases are never touched;
-        two reapers may run at once. ``progress(removed_so_far)`` is called per batch.
-
-        ``grace`` must exceed the longest an acquire statement can run: the row is
-        what keeps a late, slow acquire from reusing a lower fencing token.
-        """
-        grace_s = 0.0 if grace == 0 else validate_ttl(grace, name="grace")
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        removed = batches = 0
-        after_key, after_slot = "", -1
-        grace_param = (
-            self._sql.seconds_param(-grace_s) if self.dialect_name == "sqlite" else grace_s
-        )
-        while max_batches is None or batches < max_batches:
-            values = {
-                "after_key": after_key,
-                "after_slot": after_slot,
-                "grace": grace_param,
-                "batch_size": batch_size,
-            }
-            rows, _ = self._db.run(self._sql.reap_batch, values)
-            batches += 1
-            if self.dialect_name == "sqlite":
-                deleted, scanned = len(rows), len(rows)
-                last = max(rows) if rows else None
-            else:
-                deleted, scanned, last_key, last_slot = rows[0]
-                last = (last_key, last_slot) if last_key is not None else None
-            removed += int(deleted)
-            if progress is not None:
-                progress(removed)
-            if last is None or int(scanned) < batch_size:
-                break
-            after_key, after_slot = str(last[0]), int(last[1])
-        if removed:
-            log.info("reaped %d expired lock row(s) in %d batch(es)", removed, batches)
-        return ReapResult(removed, batches)
-
-    def db_now(self) -> Any:
-        """The database clock (UTC), as lock statements see it."""
-        rows, _ = self._db.run(self._sql.db_now, {})
-        return self._sql.to_datetime(rows[0][0])
-
-    def dispose(self) -> None:
-        """Close the guard's connections (only if it created its own engine)."""
-        self._db.dispose()
-
-    # -- helpers -----------------------------------------------------------------------
-
-    def _rows(self, stmt: Any, values: dict[str, Any]) -> list[LockInfo]:
-        rows, _ = self._db.run(stmt, values)
-        conv = self._sql.to_datetime
-        return [
-            LockInfo(
-                key=r[0],
-                slot=int(r[1]),
-                owner=r[2],
-                token=int(r[3]),
-                acquired_at=conv(r[4]),
-                expires_at=conv(r[5]),
-                holder=Holder(task_name=r[6], task_id=r[7], hostname=r[8], pid=r[9]),
-                read_at=conv(r[10]),
-            )
-            for r in rows
-        ]

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection
+    from sqlalchemy.orm import Session
 
 __all__ = ["Holder", "Lease", "LockInfo"]
 
@@ -25,6 +30,8 @@ class Lease:
     ``token`` is a fencing token: pass it to whatever the task writes to and have
     that resource reject tokens lower than the highest it has seen.
     ``expires_at`` is the database's idea of expiry and moves on renewal.
+    ``min_hold`` (seconds, 0 if none) is the throttle window: the key stays taken
+    until at least ``acquired_at + min_hold``, even after release.
     """
 
     key: str
@@ -34,10 +41,23 @@ class Lease:
     expires_at: datetime
     ttl: float
     slot: int = 0
+    min_hold: float = 0.0
+
+    def fence(self, session: Session | Connection) -> int:
+        """Prove, inside ``session``'s current transaction, that this lease is still
+        held (owner and expiry checked by the database clock); returns the token.
+
+        Raises :class:`~taskguard.LeaseLost` if it is not, so the transaction's
+        writes never commit. Until that transaction ends, nobody can take the
+        lease over (see :func:`taskguard.fencing.fence`).
+        """
+        from taskguard.fencing import fence
+
+        return fence(self, session)
 
     def to_dict(self) -> dict[str, object]:
         """A JSON-friendly form, e.g. to carry a lease in a Celery message header."""
-        return {
+        data: dict[str, object] = {
             "key": self.key,
             "owner": self.owner,
             "token": self.token,
@@ -46,6 +66,9 @@ class Lease:
             "ttl": self.ttl,
             "slot": self.slot,
         }
+        if self.min_hold:
+            data["min_hold"] = self.min_hold
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> Lease:
@@ -58,6 +81,7 @@ class Lease:
             expires_at=datetime.fromisoformat(str(data["expires_at"])),
             ttl=float(str(data["ttl"])),
             slot=int(str(data.get("slot", 0))),
+            min_hold=float(str(data.get("min_hold", 0.0))),
         )
 
 

@@ -11,23 +11,40 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import BigInteger, DateTime, Integer, MetaData, Sequence, SmallInteger, String
+from sqlalchemy import (
+    BigInteger,
+    DateTime,
+    Float,
+    Index,
+    Integer,
+    MetaData,
+    Sequence,
+    SmallInteger,
+    String,
+)
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
 __all__ = [
+    "EVENTS_TABLE",
     "HELD_VIEW",
     "LOCKS_TABLE",
+    "RELEASE_CHANNEL",
     "SQLITE_TOKEN_TABLE",
     "TOKEN_SEQUENCE",
     "VERSION_TABLE",
     "Base",
     "TaskLock",
+    "TaskLockEvent",
     "metadata",
 ]
 
 LOCKS_TABLE = "task_locks"
+#: Opt-in lock history (``TaskGuard(history=True)``), trimmed by the reaper.
+EVENTS_TABLE = "task_lock_events"
+#: PostgreSQL channel a release NOTIFYs on when a waiter has announced itself.
+RELEASE_CHANNEL = "taskguard_release"
 HELD_VIEW = "task_locks_held"
 #: PostgreSQL: fencing tokens come from this sequence (never goes back).
 TOKEN_SEQUENCE = "task_locks_token_seq"
@@ -104,6 +121,48 @@ class TaskLock(Base):
     task_id: Mapped[str | None] = mapped_column(String(255))
     hostname: Mapped[str | None] = mapped_column(String(255))
     pid: Mapped[int | None] = mapped_column(Integer)
+    # Waiting (``acquire(..., wait=...)``); NULL unless someone waited for this row.
+    #: Latest deadline of any waiter: a release before it NOTIFYs (PostgreSQL trigger).
+    wanted_until: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    #: The longest-waiting waiter: for a short grace after the lease ends only it
+    #: may take the row, so a stream of newcomers cannot starve it.
+    next_owner: Mapped[str | None] = mapped_column(String(32))
+    next_since: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    next_until: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
     def __repr__(self) -> str:
         return f"TaskLock(key={self.key!r}, slot={self.slot}, owner={self.owner!r}, token={self.token})"
+
+
+#: BIGINT on PostgreSQL; SQLite auto-increments only an ``INTEGER PRIMARY KEY``.
+_EventId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class TaskLockEvent(Base):
+    """One line of a key's story (``TaskGuard(history=True)``): acquired, conflict,
+    released, lost, taken_over, force_released, reaped. ``duration`` is in seconds:
+    how long the lease was held for ending events, how long the caller waited for
+    ``acquired``/``conflict``."""
+
+    __tablename__ = EVENTS_TABLE
+    __table_args__ = (
+        Index("ix_task_lock_events_key_at", "key", "at"),
+        Index("ix_task_lock_events_at", "at"),
+    )
+
+    id: Mapped[int] = mapped_column(_EventId, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime)
+    key: Mapped[str] = mapped_column(String(255))
+    slot: Mapped[int] = mapped_column(SmallInteger)
+    event: Mapped[str] = mapped_column(String(16))
+    owner: Mapped[str | None] = mapped_column(String(32))
+    token: Mapped[int | None] = mapped_column(BigInteger)
+    duration: Mapped[float | None] = mapped_column(Float)
+    task_name: Mapped[str | None] = mapped_column(String(255))
+    task_id: Mapped[str | None] = mapped_column(String(255))
+    hostname: Mapped[str | None] = mapped_column(String(255))
+    pid: Mapped[int | None] = mapped_column(Integer)
+    detail: Mapped[str | None] = mapped_column(String(500))
+
+    def __repr__(self) -> str:
+        return f"TaskLockEvent({self.event!r}, key={self.key!r}, owner={self.owner!r})"

@@ -18,7 +18,7 @@ cli = main_group
 cli.add_command(db)
 
 # Other command groups register themselves on import.
-for _module in ("taskguard.cli.locks", "taskguard.cli.demo"):
+for _module in ("taskguard.cli.locks", "taskguard.cli.demo", "taskguard.cli.explain"):
     try:
         __import__(_module)
     except ModuleNotFoundError as _exc:  # pragma: no cover - optional pieces

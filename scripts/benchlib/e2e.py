@@ -1,0 +1,187 @@
+"""Section 4: end-to-end task throughput through a real prefork worker on RabbitMQ.
+
+One worker (``celery worker -P prefork -c <cores>``) on a queue of its own serves
+the unguarded, guarded and celery-once variants; batches alternate between
+variants round by round. A batch's time runs from its first publish until the
+worker has finished its last task. A second worker, configured with
+``taskguard_durable=False``, repeats the unguarded and guarded variants.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from benchlib.common import Env, Row, scratch_db
+
+SCRIPTS = Path(__file__).resolve().parent.parent
+
+
+def rows() -> list[Row]:
+    def r(id_: str, label: str, ref: str | None) -> Row:
+        return Row(
+            id=f"e2e.{id_}",
+            section="4. end to end",
+            label=label,
+            unit="tasks/s",
+            ref=ref,
+            ratio_kind="rate",
+        )
+
+    return [
+        r("plain", "trivial task, unguarded", None),
+        r("guarded", 'trivial task, @guarded_task(lock="run")', "e2e.plain"),
+        r("once", "trivial task, celery-once QueueOnce", "e2e.plain"),
+        r("guarded_relaxed", "trivial task, @guarded_task, taskguard_durable=False", None),
+    ]
+
+
+def _start_worker(env: Env, concurrency: int, log: Any) -> subprocess.Popen[bytes]:
+    cmd = [
+        sys.executable, "-m", "celery", "-A", "benchlib.e2e_app", "worker",
+        "-P", "prefork", "-c", str(concurrency), "-l", "WARNING",
+        "--without-gossip", "--without-mingle", "--without-heartbeat",
+        "-n", f"tgbench-{env.run_id}@%h",
+    ]  # fmt: skip
+    penv = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]),
+    }
+    return subprocess.Popen(
+        cmd, cwd=SCRIPTS, env=penv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def _stop_worker(proc: subprocess.Popen[bytes]) -> None:
+    """Warm shutdown of the worker's process group; killed if it lingers."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(15)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # any pool child left behind
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(5)
+
+
+def _wait_count(
+    r: redis.Redis, key: str, target: int, timeout: float, proc: subprocess.Popen[bytes]
+) -> float:
+    """Poll the done-counter until it reaches ``target``; returns the time it did."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if int(r.get(key) or 0) >= target:
+            return time.monotonic()
+        if proc.poll() is not None:
+            raise RuntimeError(f"worker exited with code {proc.returncode}")
+        time.sleep(0.005)
+    raise TimeoutError(f"{key} stayed below {target} for {timeout:.0f} s")
+
+
+def _phase(
+    env: Env, mod: Any, names: list[str], durable: bool, rounds: int, per_round: int
+) -> dict[str, float]:
+    """Start one worker, run ``rounds`` batches of ``per_round`` tasks per variant
+    (alternating), stop the worker; returns tasks/s per variant."""
+    tasks = {name: getattr(mod, name) for name in names}
+    concurrency = os.cpu_count() or 2
+    r = redis.Redis.from_url(env.redis_url)
+    log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"tgbench_worker_{env.run_id}.log"
+    os.environ["TGBENCH_DURABLE"] = "1" if durable else "0"
+    with open(log_path, "wb") as log:
+        proc = _start_worker(env, concurrency, log)
+    try:
+        counts = {
+            name: int(r.get(f"{env.redis_prefix}done:{t.name}") or 0) for name, t in tasks.items()
+        }
+
+        def batch(name: str, n: int, base: int, timeout: float) -> float:
+            task = tasks[name]
+            t0 = time.monotonic()
+            for i in range(base, base + n):
+                task.delay(i)
+            counts[name] += n
+            return (
+                _wait_count(r, f"{env.redis_prefix}done:{task.name}", counts[name], timeout, proc)
+                - t0
+            )
+
+        offset = 0 if durable else 50_000_000  # distinct lock keys in each phase
+        for name in tasks:  # worker up, each pool process connected, statements prepared
+            batch(name, 4 * concurrency, offset + 10_000_000, timeout=90)
+        seconds = dict.fromkeys(tasks, 0.0)
+        for rnd in range(rounds):
+            order = names[rnd % len(names) :] + names[: rnd % len(names)]
+            for name in order:
+                seconds[name] += batch(name, per_round, offset + rnd * per_round, timeout=120)
+        return {name: rounds * per_round / seconds[name] for name in tasks}
+    except Exception:
+        with contextlib.suppress(OSError):
+            sys.stderr.write(log_path.read_text(errors="replace")[-3000:])
+        raise
+    finally:
+        _stop_worker(proc)
+        with contextlib.suppress(Exception):
+            for k in r.scan_iter(match=f"qo_{env.redis_prefix}*"):
+                r.delete(k)
+        r.close()
+        with contextlib.suppress(OSError):
+            log_path.unlink()
+
+
+def run(env: Env) -> list[Row]:
+    out = rows()
+    by_id = {r.id: r for r in out}
+    with scratch_db(env, "e2e") as url:
+        os.environ.update(
+            TGBENCH_BROKER=env.amqp_url,
+            TGBENCH_QUEUE=f"tgbench.{env.run_id}",
+            TGBENCH_DB_URL=url,
+            TGBENCH_REDIS_URL=env.redis_url,
+            TGBENCH_PREFIX=env.redis_prefix,
+        )
+        mod = importlib.import_module("benchlib.e2e_app")
+        try:
+            _measure(env, mod, by_id)
+        finally:
+            # Only now: the publisher remembers the queue as declared for the whole run.
+            with contextlib.suppress(Exception), mod.app.connection_for_write() as conn:
+                conn.default_channel.queue_delete(f"tgbench.{env.run_id}")
+    return out
+
+
+def _measure(env: Env, mod: Any, by_id: dict[str, Row]) -> None:
+    rounds, per_round = env.pick((1, 100), (4, 500))  # 2,000 tasks per variant in a full run
+    concurrency = os.cpu_count() or 2
+    names = ["plain", "once"]
+    if mod.GUARDED_UNAVAILABLE:
+        for row_id in ("e2e.guarded", "e2e.guarded_relaxed"):
+            by_id[row_id].status = f"not run: {mod.GUARDED_UNAVAILABLE}"
+    else:
+        names.insert(1, "guarded")
+    rates = _phase(env, mod, names, True, rounds, per_round)
+    for name, rate in rates.items():
+        row = by_id[f"e2e.{name}"]
+        row.rate = rate
+        row.extra = {"tasks": rounds * per_round, "rounds": rounds, "concurrency": concurrency}
+        row.note = f"{rounds * per_round:,} tasks, prefork -c {concurrency}, first publish to last task done"
+    if "guarded" in names:
+        relaxed = _phase(env, mod, ["plain", "guarded"], False, rounds, per_round)
+        row = by_id["e2e.guarded_relaxed"]
+        row.rate = relaxed["guarded"]
+        row.ratio = relaxed["guarded"] / relaxed["plain"]
+        row.extra = {"tasks": rounds * per_round, "plain_same_worker": relaxed["plain"]}
+        row.note = (
+            f"second worker with taskguard_durable=False; ratio vs the unguarded task "
+            f"in that worker ({relaxed['plain']:,.0f} tasks/s)"
+        )

@@ -1,0 +1,307 @@
+"""Section 1: acquire+release pairs on one connection, against the floor and the alternatives.
+
+Every contestant runs in the same process, interleaved round by round (the order
+rotates each round), so load from other processes on the machine lands on all of
+them alike and the ratios stay meaningful even when absolute figures drift.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+
+import psycopg
+
+from benchlib.common import Env, Row, latency_ms, libpq_url, not_run, now_ns, scratch_db
+from taskguard import TaskGuard
+from taskguard.dialects import lock_sql_for
+
+TTL = 60.0
+
+
+class Contestant:
+    """One way of taking and giving back a lock; ``pair()`` must raise if not granted."""
+
+    def __init__(self, row: Row) -> None:
+        self.row = row
+
+    def pair(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class PgSelectOne(Contestant):
+    """The floor: two prepared ``SELECT 1`` round trips (no write, no commit)."""
+
+    def __init__(self, row: Row, url: str) -> None:
+        super().__init__(row)
+        self.conn = psycopg.connect(libpq_url(url), autocommit=True)
+        self.cur = self.conn.cursor()
+
+    def pair(self) -> None:
+        cur = self.cur
+        cur.execute("SELECT 1", prepare=True)
+        cur.fetchone()
+        cur.execute("SELECT 1", prepare=True)
+        cur.fetchone()
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class RawSql(Contestant):
+    """taskguard's own acquire and release SQL text, issued by hand with psycopg, prepared."""
+
+    def __init__(self, row: Row, url: str, *, durable: bool) -> None:
+        super().__init__(row)
+        from sqlalchemy import create_engine
+
+        engine = create_engine(url)
+        sql = lock_sql_for(engine.dialect)
+        engine.dispose()
+        self.acquire_sql, self.release_sql = sql.acquire.sql, sql.release.sql
+        self.conn = psycopg.connect(libpq_url(url), autocommit=True)
+        if not durable:
+            self.conn.execute("SET synchronous_commit TO off")
+        self.cur = self.conn.cursor()
+        self.key = f"bench:pair:{row.id}"
+        self.hostname, self.pid = socket.gethostname(), os.getpid()
+
+    def pair(self) -> None:
+        cur = self.cur
+        owner = uuid.uuid4().hex
+        cur.execute(
+            self.acquire_sql,
+            {
+                "key": self.key,
+                "slot": 0,
+                "owner": owner,
+                "ttl": TTL,
+                "task_name": None,
+                "task_id": None,
+                "hostname": self.hostname,
+                "pid": self.pid,
+            },
+            prepare=True,
+        )
+        if cur.fetchone() is None:
+            raise RuntimeError(f"raw acquire of {self.key} was not granted")
+        cur.execute(self.release_sql, {"key": self.key, "slot": 0, "owner": owner}, prepare=True)
+        if cur.rowcount != 1:
+            raise RuntimeError(f"raw release of {self.key} matched {cur.rowcount} rows")
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class TaskGuardPair(Contestant):
+    """taskguard through its public API."""
+
+    def __init__(self, row: Row, url: str, *, durable: bool) -> None:
+        super().__init__(row)
+        self.guard = TaskGuard(url, durable=durable)
+        self.key = f"bench:pair:{row.id}"
+
+    def pair(self) -> None:
+        lease = self.guard.acquire(self.key, TTL)
+        if lease is None:
+            raise RuntimeError(f"taskguard acquire of {self.key} was not granted")
+        if not self.guard.release(lease):
+            raise RuntimeError(f"taskguard release of {self.key} returned False")
+
+    def close(self) -> None:
+        self.guard.dispose()
+
+
+class PgAdvisory(Contestant):
+    """Session-level advisory lock: ``pg_try_advisory_lock`` + ``pg_advisory_unlock``."""
+
+    def __init__(self, row: Row, url: str) -> None:
+        super().__init__(row)
+        self.conn = psycopg.connect(libpq_url(url), autocommit=True)
+        self.cur = self.conn.cursor()
+
+    def pair(self) -> None:
+        cur = self.cur
+        cur.execute("SELECT pg_try_advisory_lock(%s)", (42,), prepare=True)
+        if not cur.fetchone()[0]:  # type: ignore[index]
+            raise RuntimeError("advisory lock not granted")
+        cur.execute("SELECT pg_advisory_unlock(%s)", (42,), prepare=True)
+        if not cur.fetchone()[0]:  # type: ignore[index]
+            raise RuntimeError("advisory unlock found no lock")
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class RedisPing(Contestant):
+    """Redis floor: two PING round trips."""
+
+    def __init__(self, row: Row, env: Env) -> None:
+        super().__init__(row)
+        import redis
+
+        self.client = redis.Redis.from_url(env.redis_url)
+
+    def pair(self) -> None:
+        self.client.ping()
+        self.client.ping()
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class CeleryOnceRedis(Contestant):
+    """celery-once's Redis backend, called the way ``QueueOnce`` calls it
+    (``raise_or_lock`` in apply_async, ``clear_lock`` in after_return)."""
+
+    def __init__(self, row: Row, env: Env) -> None:
+        super().__init__(row)
+        from celery_once.backends import Redis
+
+        self.backend = Redis({"url": env.redis_url, "default_timeout": int(TTL)})
+        self.key = f"{env.redis_prefix}once"
+
+    def pair(self) -> None:
+        self.backend.raise_or_lock(self.key, timeout=int(TTL))  # raises AlreadyQueued if held
+        if self.backend.clear_lock(self.key) != 1:
+            raise RuntimeError("celery-once clear_lock removed nothing")
+
+
+class CelerySingletonRedis(Contestant):
+    """celery-singleton's RedisBackend, called the way ``Singleton`` calls it
+    (``lock`` in apply_async, ``unlock`` on success/failure)."""
+
+    def __init__(self, row: Row, env: Env) -> None:
+        super().__init__(row)
+        from celery_singleton.backends.redis import RedisBackend
+
+        self.backend = RedisBackend(env.redis_url)
+        self.key = f"{env.redis_prefix}singleton"
+
+    def pair(self) -> None:
+        if not self.backend.lock(self.key, uuid.uuid4().hex, expiry=int(TTL)):
+            raise RuntimeError("celery-singleton lock not granted")
+        self.backend.unlock(self.key)
+
+    def close(self) -> None:
+        self.backend.redis.close()
+
+
+def rows() -> list[Row]:
+    """The rows of this section, in table order (also the test's list of expected rows)."""
+
+    def r(id_: str, label: str, ref: str | None) -> Row:
+        return Row(id=f"pair.{id_}", section="1. pairs", label=label, ref=ref and f"pair.{ref}")
+
+    return [
+        r("pg_floor", "floor: 2x SELECT 1 (PostgreSQL)", None),
+        r("raw_sql", "raw SQL upsert+release, psycopg prepared", "pg_floor"),
+        r("taskguard", "taskguard acquire+release", "raw_sql"),
+        r("raw_sql_relaxed", "raw SQL, synchronous_commit=off", "pg_floor"),
+        r("taskguard_relaxed", "taskguard durable=False", "raw_sql_relaxed"),
+        r("pg_advisory", "pg_try_advisory_lock + unlock", "pg_floor"),
+        r("redis_floor", "floor: 2x PING (Redis)", None),
+        r("celery_once", "celery-once Redis backend", "redis_floor"),
+        r("celery_singleton", "celery-singleton Redis backend", "redis_floor"),
+    ]
+
+
+def run(env: Env) -> list[Row]:
+    out = rows()
+    rounds, per_round, warmup = env.pick((2, 150, 20), (6, 1500, 100))
+    with scratch_db(env, "pairs") as url:
+        makers: dict[str, Callable[[Row], Contestant]] = {
+            "pair.pg_floor": lambda row: PgSelectOne(row, url),
+            "pair.raw_sql": lambda row: RawSql(row, url, durable=True),
+            "pair.taskguard": lambda row: TaskGuardPair(row, url, durable=True),
+            "pair.raw_sql_relaxed": lambda row: RawSql(row, url, durable=False),
+            "pair.taskguard_relaxed": lambda row: TaskGuardPair(row, url, durable=False),
+            "pair.pg_advisory": lambda row: PgAdvisory(row, url),
+            "pair.redis_floor": lambda row: RedisPing(row, env),
+            "pair.celery_once": lambda row: CeleryOnceRedis(row, env),
+            "pair.celery_singleton": lambda row: CelerySingletonRedis(row, env),
+        }
+        contestants: list[Contestant] = []
+        try:
+            for row in out:
+                try:
+                    contestants.append(makers[row.id](row))
+                except Exception as exc:  # report the row, measure the others
+                    not_run([row], f"{type(exc).__name__}: {exc}", error=True)
+            _measure(contestants, rounds, per_round, warmup)
+        finally:
+            for c in contestants:
+                c.close()
+    return out
+
+
+def _measure(contestants: list[Contestant], rounds: int, per_round: int, warmup: int) -> None:
+    samples: dict[str, list[int]] = {c.row.id: [] for c in contestants}
+    elapsed: dict[str, int] = dict.fromkeys(samples, 0)
+    # This process's CPU time: the client-side cost, which machine load barely moves.
+    cpu: dict[str, float] = dict.fromkeys(samples, 0.0)
+    live = list(contestants)
+    for c in list(live):
+        try:
+            for _ in range(warmup):  # fills pools and lets psycopg prepare statements
+                c.pair()
+        except Exception as exc:
+            not_run([c.row], f"{type(exc).__name__}: {exc}", error=True)
+            live.remove(c)
+    for rnd in range(rounds):
+        shift = rnd % max(1, len(live))
+        for c in live[shift:] + live[:shift]:
+            if c.row.status != "ok":
+                continue
+            lat = samples[c.row.id]
+            gc.collect()
+            try:
+                start, cpu_start = now_ns(), time.process_time()
+                for _ in range(per_round):
+                    t0 = now_ns()
+                    c.pair()
+                    lat.append(now_ns() - t0)
+                elapsed[c.row.id] += now_ns() - start
+                cpu[c.row.id] += time.process_time() - cpu_start
+            except Exception as exc:
+                not_run([c.row], f"{type(exc).__name__}: {exc}", error=True)
+    for c in live:
+        if c.row.status != "ok":
+            continue
+        lat = samples[c.row.id]
+        c.row.rate = len(lat) / (elapsed[c.row.id] / 1e9)
+        c.row.p50_ms, c.row.p99_ms = latency_ms(lat)
+        cpu_us = cpu[c.row.id] / len(lat) * 1e6
+        c.row.extra = {"pairs": len(lat), "rounds": rounds, "client_cpu_us_per_pair": cpu_us}
+        c.row.note = f"client CPU {cpu_us:,.0f} us/pair"
+
+
+def profile_taskguard(env: Env, pairs: int, *, durable: bool) -> str:
+    """cProfile of taskguard acquire+release pairs (``bench.py --profile``)."""
+    import cProfile
+    import io
+    import pstats
+
+    with scratch_db(env, "profile") as url:
+        c = TaskGuardPair(Row(id="profile", section="", label=""), url, durable=durable)
+        try:
+            for _ in range(50):
+                c.pair()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(pairs):
+                c.pair()
+            prof.disable()
+        finally:
+            c.close()
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf).sort_stats("tottime")
+    stats.print_stats(25)
+    return buf.getvalue()

@@ -1,0 +1,159 @@
+"""Ratios, targets and the printed table, all computed from one run's rows."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from benchlib.common import Row
+
+
+def compute_ratios(rows: Sequence[Row]) -> None:
+    """Fill ``row.ratio`` from the row's reference in the same run."""
+    by_id = {r.id: r for r in rows}
+    for row in rows:
+        if row.ref is None:
+            continue  # a row without a reference may carry its own ratio (see its note)
+        ref = by_id.get(row.ref)
+        row.ratio = None
+        if ref is None or row.status != "ok" or ref.status != "ok":
+            continue
+        if row.ratio_kind in ("cost", "rate") and row.rate and ref.rate:
+            row.ratio = ref.rate / row.rate if row.ratio_kind == "cost" else row.rate / ref.rate
+        elif row.ratio_kind == "p50" and row.p50_ms and ref.p50_ms:
+            row.ratio = row.p50_ms / ref.p50_ms
+        elif row.ratio_kind == "p99" and row.p99_ms and ref.p99_ms:
+            row.ratio = row.p99_ms / ref.p99_ms
+
+
+def _rate(by_id: dict[str, Row], row_id: str) -> float | None:
+    row = by_id.get(row_id)
+    return row.rate if row is not None and row.status == "ok" else None
+
+
+def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
+    """The issue's targets, each met / missed (with the figure) / not measured."""
+    by_id = {r.id: r for r in rows}
+    out: list[dict[str, Any]] = []
+
+    def add(name: str, figure: float | None, limit: float, op: str, how: str) -> None:
+        met = None if figure is None else (figure <= limit if op == "<=" else figure >= limit)
+        out.append(
+            {"target": name, "figure": figure, "limit": limit, "op": op, "met": met, "how": how}
+        )
+
+    def ratio(row_id: str) -> float | None:
+        row = by_id.get(row_id)
+        return row.ratio if row is not None else None
+
+    add(
+        "taskguard pair <= 1.15 x raw SQL pair",
+        ratio("pair.taskguard"),
+        1.15,
+        "<=",
+        "time per pair, taskguard / hand-written psycopg (durable)",
+    )
+    add(
+        "same, relaxed durability (stricter: no fsync to hide behind)",
+        ratio("pair.taskguard_relaxed"),
+        1.15,
+        "<=",
+        "time per pair, taskguard durable=False / raw SQL with synchronous_commit=off",
+    )
+    relaxed, once = _rate(by_id, "pair.taskguard_relaxed"), _rate(by_id, "pair.celery_once")
+    add(
+        "relaxed pair throughput >= celery-once Redis",
+        relaxed / once if relaxed and once else None,
+        1.0,
+        ">=",
+        "pairs/s, taskguard durable=False / celery-once Redis backend",
+    )
+    add(
+        "guarded end-to-end >= 0.9 x unguarded",
+        ratio("e2e.guarded"),
+        0.9,
+        ">=",
+        "tasks/s, @guarded_task / plain task, same worker and broker",
+    )
+    add(
+        "same, taskguard_durable=False (not a target; for comparison)",
+        ratio("e2e.guarded_relaxed"),
+        0.9,
+        ">=",
+        "tasks/s, @guarded_task / plain task, in a worker with taskguard_durable=False",
+    )
+    for mode in ("durable", "relaxed"):
+        add(
+            f"acquire p50 at largest table <= 1.2 x at 1k rows ({mode})",
+            ratio(f"scale.acquire_large_{mode}"),
+            1.2,
+            "<=",
+            "acquire p50 latency ratio",
+        )
+    add("reaper >= 100k rows/s", _rate(by_id, "scale.reaper"), 100_000.0, ">=", "rows deleted / s")
+    overlaps = [
+        r.extra.get("overlaps") for r in rows if r.id.startswith("contention.") and r.status == "ok"
+    ]
+    add(
+        "contention: 0 overlapping grants",
+        float(sum(overlaps)) if overlaps else None,
+        0.0,
+        "<=",
+        "grants seen held by two processes at once (shared counter per key)",
+    )
+    return out
+
+
+def _num(value: float | None, digits: int = 0) -> str:
+    if value is None:
+        return "-"
+    if digits == 0:
+        return f"{value:,.0f}"
+    return f"{value:,.{digits}f}"
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """Markdown table of every row (status instead of figures where a row did not run)."""
+    by_id = {r.id: r for r in rows}
+    lines = [
+        "| section | row | rate | p50 ms | p99 ms | ratio | vs | notes |",
+        "|---|---|---:|---:|---:|---:|---|---|",
+    ]
+    for r in rows:
+        ref = by_id.get(r.ref or "")
+        vs = ""
+        if ref is not None:
+            vs = {
+                "cost": "x time of ",
+                "rate": "x rate of ",
+                "p50": "x p50 of ",
+                "p99": "x p99 of ",
+            }[r.ratio_kind] + ref.label
+        if r.status != "ok":
+            lines.append(f"| {r.section} | {r.label} | {r.status} | | | | {vs} | {r.note} |")
+            continue
+        rate = f"{_num(r.rate, 1 if r.rate is not None and r.rate < 100 else 0)} {r.unit}"
+        lines.append(
+            f"| {r.section} | {r.label} | {rate} | {_num(r.p50_ms, 3)} | {_num(r.p99_ms, 3)} "
+            f"| {_num(r.ratio, 2)} | {vs} | {r.note} |"
+        )
+    return "\n".join(lines)
+
+
+def format_targets(results: Sequence[dict[str, Any]]) -> str:
+    lines = ["| target | figure | verdict | measured as |", "|---|---:|---|---|"]
+    for t in results:
+        fig = t["figure"]
+        if fig is None:
+            verdict, shown = "not measured", "-"
+        else:
+            shown = _num(fig, 0 if t["limit"] >= 1000 else 3)
+            if t["met"]:
+                verdict = "met"
+            elif t["limit"]:
+                miss = (fig / t["limit"] - 1.0) if t["op"] == "<=" else (1.0 - fig / t["limit"])
+                verdict = f"MISSED by {miss:.0%}"
+            else:
+                verdict = "MISSED"
+        lines.append(f"| {t['target']} | {shown} | {verdict} | {t['how']} |")
+    return "\n".join(lines)

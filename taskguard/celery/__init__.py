@@ -1,0 +1,31 @@
+"""Celery integration: ``@guarded_task`` and the :class:`GuardedTask` base class.
+
+See docs/guide.md for the user guide (lock phases, conflict strategies, keys,
+TTL and renewal, retries, eager mode, fencing tokens, signals, configuration).
+"""
+
+from taskguard.celery import worker as _worker  # noqa: F401  (connects the revoke hook)
+from taskguard.celery.decorator import guarded_task
+from taskguard.celery.keys import KeyDeriver, args_digest, canonical
+from taskguard.celery.options import CONFLICT_STRATEGIES, LOCK_PHASES
+from taskguard.celery.renewal import check_lease, current_lease
+from taskguard.celery.results import MARKER, SKIPPED, is_skipped, skipped_result
+from taskguard.celery.task import GuardedTask
+from taskguard.celery.worker import GuardedRequest
+
+__all__ = [
+    "CONFLICT_STRATEGIES",
+    "LOCK_PHASES",
+    "MARKER",
+    "SKIPPED",
+    "GuardedRequest",
+    "GuardedTask",
+    "KeyDeriver",
+    "args_digest",
+    "canonical",
+    "check_lease",
+    "current_lease",
+    "guarded_task",
+    "is_skipped",
+    "skipped_result",
+]

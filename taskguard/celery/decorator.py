@@ -1,0 +1,109 @@
+"""``@guarded_task``: a drop-in for ``@shared_task`` / ``@app.task``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, overload
+
+from celery import shared_task
+
+from taskguard.celery.keys import KeyOption
+from taskguard.celery.options import build_options, signature_of
+from taskguard.celery.task import GuardedTask
+from taskguard.exceptions import ConfigurationError
+
+__all__ = ["guarded_task"]
+
+
+@overload
+def guarded_task(fun: Callable[..., Any], /) -> Any: ...
+
+
+@overload
+def guarded_task(
+    fun: None = None,
+    /,
+    *,
+    app: Any = None,
+    key: KeyOption = None,
+    key_args: Iterable[str] | None = None,
+    ttl: Any = None,
+    queue_ttl: Any = None,
+    lock: str = "run",
+    on_conflict: str = "skip",
+    retry_countdown: Any = None,
+    **options: Any,
+) -> Callable[[Callable[..., Any]], Any]: ...
+
+
+def guarded_task(
+    fun: Callable[..., Any] | None = None,
+    /,
+    *,
+    app: Any = None,
+    key: KeyOption = None,
+    key_args: Iterable[str] | None = None,
+    ttl: Any = None,
+    queue_ttl: Any = None,
+    lock: str = "run",
+    on_conflict: str = "skip",
+    retry_countdown: Any = None,
+    **options: Any,
+) -> Any:
+    """Define a Celery task that runs at most once at a time per lock key.
+
+    Used bare (``@guarded_task``) it behaves like ``@shared_task``; with ``app=``
+    like ``@app.task``. Every Celery task option (``bind``, ``name``,
+    ``autoretry_for``, ``acks_late``, ``max_retries``, ``base`` — which must derive
+    from :class:`GuardedTask` — …) is passed through. taskguard's own options:
+
+    ``key``
+        ``None`` (task name + digest of all bound arguments), a template over
+        argument names such as ``"feed:{feed_url}"``, or a callable taking the
+        task's arguments and returning the key.
+    ``key_args``
+        Digest only these arguments (default key form).
+    ``ttl``
+        Lease length in seconds (renewed every ttl/3 while the body runs);
+        default: ``app.conf.taskguard_default_ttl``.
+    ``queue_ttl``
+        Lease length while the message is queued (queue phases; default ``ttl``).
+    ``lock``
+        ``"run"`` (held while the body runs), ``"queue"`` (from ``.delay()`` until a
+        worker starts it) or ``"queue_and_run"`` (from ``.delay()`` until it ends).
+    ``on_conflict``
+        ``"skip"``, ``"raise"``, ``"retry"`` or ``"existing"`` (queue phases).
+    ``retry_countdown``
+        Countdown of ``on_conflict="retry"``; default: until the holder's lease ends.
+
+    Options are checked here: a bad value raises :class:`ConfigurationError` naming
+    the task and the option when the module is imported.
+    """
+    base = options.pop("base", None) or GuardedTask
+    if not (isinstance(base, type) and issubclass(base, GuardedTask)):
+        raise ConfigurationError(
+            f"guarded_task(base=...) must derive from GuardedTask, not {base!r}"
+        )
+    ours = {
+        "key": key,
+        "key_args": key_args,
+        "ttl": ttl,
+        "queue_ttl": queue_ttl,
+        "lock": lock,
+        "on_conflict": on_conflict,
+        "retry_countdown": retry_countdown,
+    }
+
+    def decorate(func: Callable[..., Any]) -> Any:
+        if not callable(func):
+            raise ConfigurationError(f"@guarded_task must decorate a function, not {func!r}")
+        name = options.get("name") or f"{func.__module__}.{func.__name__}"
+        build_options(name, signature_of(func, bind=bool(options.get("bind"))), **ours)
+        attrs = {f"taskguard_{k}": v for k, v in ours.items()}
+        if app is not None:
+            return app.task(base=base, **attrs, **options)(func)
+        return shared_task(base=base, **attrs, **options)(func)
+
+    if fun is not None:
+        return decorate(fun)
+    return decorate

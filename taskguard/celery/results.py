@@ -1,0 +1,51 @@
+"""What a skipped run returns, and how to recognise it.
+
+A run skipped because its key was held does not pretend to have succeeded with
+``None``: its return value (and so the stored result, what ``AsyncResult.get()``
+returns, and what chained callbacks receive) is a plain dict::
+
+    {
+        "__taskguard__": "skipped",
+        "task": "app.tasks.fetch_feed",
+        "task_id": "6f1c…",          # the skipped submission
+        "key": "feed:https://…",
+        "phase": "run",              # "run": refused by the worker; "queue": at .delay()
+        "holder": {...} | None,      # LockInfo.to_dict() of the holder, if it could be read
+    }
+
+It is a plain dict so it survives any result serializer. Test with
+:func:`is_skipped`; the Celery state of such a result is ``SUCCESS``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from taskguard.lease import LockInfo
+
+__all__ = ["MARKER", "SKIPPED", "is_skipped", "skipped_result"]
+
+#: The dict key that marks taskguard's own result values.
+MARKER = "__taskguard__"
+#: ``value[MARKER]`` of a skipped run.
+SKIPPED = "skipped"
+
+
+def skipped_result(
+    *, task: str, task_id: str | None, key: str, phase: str, holder: LockInfo | None
+) -> dict[str, Any]:
+    """The return value of a skipped run (see the module docstring)."""
+    return {
+        MARKER: SKIPPED,
+        "task": task,
+        "task_id": task_id,
+        "key": key,
+        "phase": phase,
+        "holder": holder.to_dict() if holder is not None else None,
+    }
+
+
+def is_skipped(value: object) -> bool:
+    """Whether ``value`` (a task's return value or ``AsyncResult.get()``) is the
+    result of a run skipped because its lock was held."""
+    return isinstance(value, dict) and value.get(MARKER) == SKIPPED

@@ -1,0 +1,198 @@
+"""Worker main-process hooks for the ways a run ends without its ``finally``.
+
+Inside a pool child every catchable way out unwinds through the run's
+``finally`` (billiard turns SIGTERM into ``SystemExit``; a soft time limit is an
+exception), which releases the lease. What no ``finally`` sees:
+
+* ``revoke(terminate=True, signal="SIGKILL")`` — released by
+  :meth:`GuardedRequest.terminate` right after the kill;
+* a child that dies (OOM killer, ``kill -9``): ``WorkerLostError`` — released
+  by :meth:`GuardedRequest.on_failure` before Celery requeues or retries it;
+* a hard time limit — billiard sends SIGTERM (the child unwinds and releases)
+  and SIGKILL 0.1 s later if it did not exit; a second later the main process
+  releases whatever that child still holds;
+* a message revoked or expired before it started — gives back the queue-phase
+  lease it carried (``task_revoked`` receiver).
+
+Rows are matched by task id, worker node *and* the dead child's pid, so another
+delivery's lease is never touched. A hard kill of the whole worker runs no hook
+at all: the lease then ends by expiry, within one ttl.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal as _signal
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from celery.exceptions import TimeLimitExceeded, WorkerLostError
+from celery.platforms import signals as platform_signals
+from celery.signals import task_revoked
+from celery.worker.request import Request
+
+from taskguard.celery import common
+from taskguard.celery.common import claim_key, header_of
+from taskguard.config import guard_for
+from taskguard.lease import Lease, LockInfo
+
+__all__ = ["GuardedRequest", "release_dead_run"]
+
+log = logging.getLogger("taskguard.celery")
+
+
+def _key(task: Any, header: Mapping[str, Any], args: Any, kwargs: Any) -> str:
+    key = header.get("key")
+    if isinstance(key, str) and key:
+        return key
+    derived: str = task.taskguard_options.keys.derive(args, kwargs)
+    return derived
+
+
+#: Seconds after a hard time limit before the main process checks the child's rows
+#: (billiard waits 0.1 s after SIGTERM before it sends SIGKILL).
+HARD_LIMIT_GRACE = 1.0
+
+
+def _live_row(rows: list[LockInfo], task_id: str, pid: int | None = None) -> LockInfo | None:
+    for info in rows:
+        if info.held and info.holder.task_id == task_id and pid in (None, info.holder.pid):
+            return info
+    return None
+
+
+def release_dead_run(
+    task: Any,
+    *,
+    task_id: str,
+    nodename: str | None,
+    pid: int | None,
+    header: Mapping[str, Any],
+    args: Any,
+    kwargs: Any,
+    why: str,
+) -> int:
+    """Release the leases the dead pool child ``pid`` of worker ``nodename`` held
+    for ``task_id``. Returns how many rows were released. Never raises."""
+    if pid is None:
+        return 0
+    try:
+        key = _key(task, header, args, kwargs)
+        guard = guard_for(task._get_app())
+        claim = _live_row(guard.get_all(claim_key(key, task_id)), task_id, pid)
+        if claim is not None and claim.holder.hostname != nodename:
+            claim = None
+        count = 0
+        for info in guard.get_all(key):
+            if not (info.held and info.holder.task_id == task_id):
+                continue
+            own_row = info.holder.hostname == nodename and info.holder.pid == pid
+            if not (own_row or claim is not None):
+                continue  # held by another delivery of the same task id
+            lease = common.lease_from_info(info)
+            released = common.release_quietly(guard, lease)
+            count += int(released)
+            log.warning(
+                "released lock %r held by %s[%s] (pid %s on %s): %s",
+                key,
+                task.name,
+                task_id,
+                pid,
+                nodename,
+                why,
+            )
+            common.send_released(
+                task, lease, released, (info.read_at - info.acquired_at).total_seconds()
+            )
+        if claim is not None:
+            common.release_quietly(guard, common.lease_from_info(claim))
+        return count
+    except Exception:
+        log.exception("could not release the lock of %s[%s] after %s", task.name, task_id, why)
+        return 0
+
+
+def _release_unstarted(task: Any, request: Any, header: Mapping[str, Any]) -> None:
+    """A message discarded before it ran gives back the lease it carried."""
+    handed = header.get("lease")
+    if not isinstance(handed, dict):
+        return
+    try:
+        lease = Lease.from_dict(handed)
+        guard = guard_for(task._get_app())
+        # If another delivery of this task id adopted the lease and runs, leave it.
+        if _live_row(guard.get_all(claim_key(lease.key, request.id)), request.id) is not None:
+            return
+        released = common.release_quietly(guard, lease)
+        if released:
+            log.info("released lock %r of revoked %s[%s]", lease.key, task.name, request.id)
+        common.send_released(task, lease, released, common.held_seconds(lease))
+    except Exception:
+        log.exception("could not release the lock of revoked %s[%s]", task.name, request.id)
+
+
+def _on_revoked(
+    sender: Any = None, request: Any = None, terminated: bool = False, **_: Any
+) -> None:
+    from taskguard.celery.task import GuardedTask
+
+    if isinstance(sender, GuardedTask) and request is not None and not terminated:
+        _release_unstarted(sender, request, header_of(request))
+
+
+task_revoked.connect(_on_revoked, weak=False, dispatch_uid="taskguard.celery.worker.revoked")
+
+
+def _is_sigkill(signum: Any) -> bool:
+    try:
+        return bool(platform_signals.signum(signum) == _signal.SIGKILL)
+    except (TypeError, ValueError, AttributeError):
+        return False
+
+
+class GuardedRequest(Request):  # type: ignore[misc]
+    """Worker request class of guarded tasks (set as ``GuardedTask.Request``).
+
+    A task that brings its own ``Request`` class should derive it from this one.
+    """
+
+    def terminate(self, pool: Any, signal: Any = None) -> None:
+        started = bool(self.time_start)
+        super().terminate(pool, signal)
+        if started and _is_sigkill(signal):
+            self._release_dead("terminated by revoke (signal 9)")
+
+    def on_timeout(self, soft: bool, timeout: float) -> None:
+        super().on_timeout(soft, timeout)
+        if not soft:
+            timer = threading.Timer(
+                HARD_LIMIT_GRACE,
+                self._release_dead,
+                (f"hard time limit ({timeout}s) exceeded",),
+            )
+            timer.daemon = True
+            timer.start()
+
+    def on_failure(
+        self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
+    ) -> Any:
+        exc = getattr(exc_info.exception, "exc", exc_info.exception)
+        if isinstance(exc, WorkerLostError) and not isinstance(exc, TimeLimitExceeded):
+            # Before requeue/retry handling, so a redelivery finds the key free.
+            self._release_dead(f"worker process lost ({exc})")
+        return super().on_failure(
+            exc_info, send_failed_event=send_failed_event, return_ok=return_ok
+        )
+
+    def _release_dead(self, why: str) -> None:
+        release_dead_run(
+            self.task,
+            task_id=self.id,
+            nodename=self.hostname,
+            pid=self.worker_pid,
+            header=header_of(self.request_dict),
+            args=self.args,
+            kwargs=self.kwargs,
+            why=why,
+        )

@@ -1,0 +1,68 @@
+"""SLOW (about 15-40 s): runs ``scripts/bench.py --quick`` end to end.
+
+The benchmark's figures are not asserted (they depend on the machine and its load);
+this checks that every section runs against the real services and that every row
+is reported, either with figures or with the reason it was not run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import AMQP_URL, PG_URL, REDIS_URL
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = REPO / "scripts"
+
+pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.celery]
+
+
+def _expected_rows() -> list[str]:
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        from benchlib import contention, e2e, pairs, scale
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    return [row.id for mod in (pairs, contention, scale, e2e) for row in mod.rows()]
+
+
+@pytest.mark.timeout(240)
+def test_quick_benchmark_reports_every_row(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPTS / "bench.py"),
+            "--quick",
+            "--json",
+            str(out),
+            "--pg-url",
+            PG_URL,
+            "--redis-url",
+            REDIS_URL,
+            "--amqp-url",
+            AMQP_URL,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert proc.returncode == 0, f"bench failed:\n{proc.stdout[-5000:]}\n{proc.stderr[-5000:]}"
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert [r["id"] for r in rows] == _expected_rows()
+    for row in rows:
+        assert row["status"] == "ok" or row["status"].startswith("not run: "), row
+        if row["status"] == "ok":
+            assert row["rate"] is not None and row["rate"] > 0, row
+        assert row["label"] in proc.stdout, f"row {row['id']} missing from the printed table"
+    assert {t["target"] for t in data["targets"]} and all("met" in t for t in data["targets"])
+    meta = data["meta"]
+    assert (
+        meta["quick"] is True and meta["machine"]["cores"] and meta["postgresql"]["server_version"]
+    )

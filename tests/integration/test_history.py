@@ -1,0 +1,172 @@
+"""Lock history (``TaskGuard(..., history=True)``) and ``taskguard explain KEY``:
+a scripted scenario played by real processes, read back through the real CLI."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from taskguard import TaskGuard
+
+KEY = "feed:42"
+_SCRIPT = shutil.which("taskguard", path=str(Path(sys.executable).parent))
+TASKGUARD = (
+    [_SCRIPT] if _SCRIPT else [sys.executable, "-c", "from taskguard.cli import main; main()"]
+)
+
+
+def _crashing_importer(url: str) -> None:
+    guard = TaskGuard(url, history=True)
+    assert guard.acquire(KEY, 0.4, task_name="import_feed", task_id="t1") is not None
+    os._exit(0)  # dies holding the lease: no release
+
+
+def _turned_away(url: str, out: Any) -> None:
+    guard = TaskGuard(url, history=True)
+    out.put(guard.acquire(KEY, 30, task_name="import_feed", task_id="t2") is None)
+    guard.dispose()
+
+
+def _patient(url: str, out: Any) -> None:
+    guard = TaskGuard(url, history=True)
+    lease = guard.acquire(KEY, 30, task_name="import_feed", task_id="t3", wait=10)
+    assert lease is not None
+    time.sleep(0.1)
+    out.put(guard.release(lease))
+    guard.dispose()
+
+
+def _run(target: Any, *args: Any) -> None:
+    p = mp.get_context("fork").Process(target=target, args=args)
+    p.start()
+    p.join(timeout=60)
+    assert p.exitcode == 0
+
+
+def _explain(url: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*TASKGUARD, "explain", KEY, "--database-url", url, *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_explain_tells_the_story_of_a_scripted_scenario(db_url: str) -> None:
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    # t1 takes the key and crashes; t2 is turned away; t3 waits, takes it over when
+    # t1's lease expires and releases it; an operator's lease is force-released;
+    # the reaper removes the row.
+    _run(_crashing_importer, db_url)
+    _run(_turned_away, db_url, out)
+    assert out.get(timeout=10) is True
+    _run(_patient, db_url, out)
+    assert out.get(timeout=10) is True
+    ops = TaskGuard(db_url, history=True)
+    try:
+        lease = ops.acquire(KEY, 30, task_name="manual_fix")
+        assert lease is not None
+        assert ops.force_release(KEY)
+        assert ops.renew(lease) is False  # the operator's own lease is lost
+        assert ops.reap(grace=0) == 1
+        events = ops.events(KEY)
+    finally:
+        ops.dispose()
+
+    story = [(e.event, e.holder.task_id or e.holder.task_name) for e in events]
+    assert story == [
+        ("acquired", "t1"),
+        ("conflict", "t2"),
+        ("taken_over", "t1"),
+        ("acquired", "t3"),
+        ("released", "t3"),
+        ("acquired", "manual_fix"),
+        ("force_released", "manual_fix"),
+        ("lost", "manual_fix"),
+        ("reaped", "manual_fix"),
+    ]
+    by_kind = {e.event: e for e in events}
+    assert by_kind["taken_over"].duration is not None and by_kind["taken_over"].duration >= 0.3
+    assert by_kind["acquired"].token is not None
+    assert 0.1 <= (by_kind["released"].duration or 0) < 5
+    tokens = [e.token for e in events if e.event == "acquired"]
+    assert tokens == sorted(tokens)
+
+    run = _explain(db_url)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0] == f"lock {KEY!r}"
+    kinds = [
+        next(word for word in ("acquired", "turned away", "taken over", "released", "lost",
+                               "force-released", "reaped") if f"  {word}" in line)
+        for line in lines[2:-1]
+    ]  # fmt: skip
+    assert kinds == [
+        "acquired",
+        "turned away",
+        "taken over",
+        "acquired",
+        "released",
+        "acquired",
+        "force-released",
+        "lost",
+        "reaped",
+    ]
+    assert "task import_feed id t2" in lines[3] and "held by owner" in lines[3]
+    assert "lease expired without release" in lines[4]
+    assert "waited" in lines[5]
+    assert lines[-1] == "now: free (no row)"
+
+    as_json = _explain(db_url, "--json", "--limit", "3")
+    assert as_json.returncode == 0, as_json.stderr
+    data = json.loads(as_json.stdout)
+    assert [e["event"] for e in data["events"]] == ["force_released", "lost", "reaped"]
+    assert data["rows"] == []
+
+    missing = subprocess.run(
+        [*TASKGUARD, "explain", "nope", "--database-url", db_url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert missing.returncode == 1 and "nothing recorded" in missing.stderr
+
+
+def test_history_off_records_nothing_and_adds_no_statement(guard: TaskGuard) -> None:
+    sent: list[str] = []
+    run = guard._db.run
+
+    def counted(stmt: Any, values: dict[str, Any]) -> Any:
+        sent.append(stmt.sql)
+        return run(stmt, values)
+
+    guard._db.run = counted  # type: ignore[method-assign]
+    lease = guard.acquire(KEY, 30)
+    assert lease is not None and guard.renew(lease) and guard.release(lease)
+    assert len(sent) == 3
+    assert not any("task_lock_events" in sql for sql in sent)
+    assert guard.events(KEY) == []
+
+
+def test_history_is_trimmed_by_age(db_url: str) -> None:
+    guard = TaskGuard(db_url, history=True, history_retention=3600)
+    try:
+        for _ in range(3):
+            lease = guard.acquire(KEY, 30)
+            assert lease is not None and guard.release(lease)
+        assert len(guard.events(KEY)) == 6
+        assert guard.reap(grace=0) == 1  # the retention keeps recent events
+        assert len(guard.events(KEY)) == 7
+        time.sleep(0.05)
+        assert guard.trim_history(0.01, batch_size=2) == 7
+        assert guard.events(KEY) == []
+    finally:
+        guard.dispose()

@@ -1,0 +1,235 @@
+"""Waiting for a held key (``acquire(..., wait=T)``) with real processes: woken by
+LISTEN/NOTIFY on PostgreSQL, polling on SQLite, fair to the longest waiter."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import time
+from typing import Any
+
+import psycopg
+import pytest
+from sqlalchemy.engine import make_url
+
+from taskguard import TaskGuard
+
+pytestmark = pytest.mark.slow
+
+
+def _libpq(url: str) -> str:
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def _counting(guard: TaskGuard) -> list[str]:
+    """Record every statement the guard sends (to prove the waiter does not poll)."""
+    sent: list[str] = []
+    run = guard._db.run
+
+    def counted(stmt: Any, values: dict[str, Any]) -> Any:
+        sent.append(stmt.sql.split()[0])
+        return run(stmt, values)
+
+    guard._db.run = counted  # type: ignore[method-assign]
+    return sent
+
+
+def _holder(url: str, key: str, hold: float, ready: Any, out: Any) -> None:
+    guard = TaskGuard(url)
+    lease = guard.acquire(key, 60)
+    assert lease is not None
+    ready.set()
+    time.sleep(hold)
+    assert guard.release(lease)
+    out.put(("released", time.time()))
+    guard.dispose()
+
+
+def _waiter(url: str, key: str, timeout: float, out: Any) -> None:
+    guard = TaskGuard(url)
+    sent = _counting(guard)
+    lease = guard.acquire(key, 60, wait=timeout)
+    out.put(
+        ("granted" if lease else "timeout", time.time(), list(sent))
+    )  # copy: put() pickles later
+    if lease:
+        guard.release(lease)
+    guard.dispose()
+
+
+def test_waiter_is_woken_within_100ms_of_release_without_polling(pg_url: str) -> None:
+    ctx = mp.get_context("fork")
+    ready, out = ctx.Event(), ctx.Queue()
+    holder = ctx.Process(target=_holder, args=(pg_url, "k", 1.5, ready, out))
+    holder.start()
+    assert ready.wait(30)
+    waiter = ctx.Process(target=_waiter, args=(pg_url, "k", 20.0, out))
+    waiter.start()
+    results = {r[0]: r for r in (out.get(timeout=60), out.get(timeout=60))}
+    for p in (holder, waiter):
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    assert "granted" in results, results
+    latency = results["granted"][1] - results["released"][1]
+    assert latency < 0.1, f"woken {latency:.3f}s after the release"
+    # try, read the holder (log), announce, then one try after the NOTIFY; a poller
+    # backing off from 10 ms would have sent dozens in 1.5 s.
+    sent = results["granted"][2]
+    assert sent == ["INSERT", "SELECT", "UPDATE", "INSERT"], sent
+
+
+def test_wait_times_out_and_logs_the_holder(
+    guard: TaskGuard, caplog: pytest.LogCaptureFixture
+) -> None:
+    lease = guard.acquire("k", 30, task_name="long_job")
+    assert lease is not None
+    started = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="taskguard"):
+        assert guard.acquire("k", 30, wait=0.4) is None
+    assert 0.4 <= time.monotonic() - started < 3
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "waiting up to 0.4s" in text and "gave up" in text and "long_job" in text
+    assert guard.get("k").owner == lease.owner  # type: ignore[union-attr]
+    assert guard.release(lease)
+
+
+def _crash(url: str, key: str) -> None:
+    TaskGuard(url).acquire(key, 0.5)
+    os._exit(0)
+
+
+def test_waiter_takes_over_when_a_crashed_holder_expires(db_url: str) -> None:
+    child = mp.get_context("fork").Process(target=_crash, args=(db_url, "k"))
+    child.start()
+    child.join(timeout=30)
+    guard = TaskGuard(db_url)
+    try:
+        started = time.monotonic()
+        lease = guard.acquire("k", 30, wait=10)
+        assert lease is not None
+        assert time.monotonic() - started < 2.0  # woken at the expiry, not by a timeout
+    finally:
+        guard.dispose()
+
+
+def test_wait_for_a_slot(db_url: str) -> None:
+    ctx = mp.get_context("fork")
+    ready, out = ctx.Event(), ctx.Queue()
+    guard = TaskGuard(db_url)
+    try:
+        first = guard.acquire("pool", 60, limit=2)
+        assert first is not None
+        holder = ctx.Process(target=_holder_slot, args=(db_url, ready, out))
+        holder.start()
+        assert ready.wait(30)
+        lease = guard.acquire("pool", 60, limit=2, wait=10)
+        assert lease is not None and lease.slot != first.slot
+        assert out.get(timeout=30)[0] == "released"
+        holder.join(timeout=30)
+        assert guard.acquire("pool", 60, limit=2) is None
+    finally:
+        guard.dispose()
+
+
+def _holder_slot(url: str, ready: Any, out: Any) -> None:
+    guard = TaskGuard(url)
+    lease = guard.acquire("pool", 60, limit=2)
+    assert lease is not None
+    ready.set()
+    time.sleep(0.3)
+    guard.release(lease)
+    out.put(("released", time.time()))
+    guard.dispose()
+
+
+def _queued(url: str, name: str, out: Any) -> None:
+    guard = TaskGuard(url)
+    lease = guard.acquire("fair", 30, wait=30, task_name=name)
+    assert lease is not None, name
+    out.put((name, lease.token))
+    time.sleep(0.2)
+    guard.release(lease)
+    guard.dispose()
+
+
+def _newcomers(url: str, stop: Any, out: Any) -> None:
+    """A steady stream of fresh acquirers that never wait, trying every few ms."""
+    guard = TaskGuard(url)
+    wins = 0
+    while not stop.is_set():
+        lease = guard.acquire("fair", 30, task_name="newcomer")
+        if lease is not None:
+            wins += 1
+            time.sleep(0.2)
+            guard.release(lease)
+        time.sleep(0.003)
+    out.put(("newcomers", wins))
+    guard.dispose()
+
+
+def test_the_longest_waiter_goes_first_and_nobody_starves(db_url: str) -> None:
+    ctx = mp.get_context("fork")
+    out, stop = ctx.Queue(), ctx.Event()
+    guard = TaskGuard(db_url)
+    try:
+        first = guard.acquire("fair", 30, task_name="first")
+        assert first is not None
+        waiters = []
+        for i in range(3):
+            p = ctx.Process(target=_queued, args=(db_url, f"w{i}", out))
+            p.start()
+            waiters.append(p)
+            time.sleep(0.3)  # w0 has waited longest, then w1, then w2
+        stream = ctx.Process(target=_newcomers, args=(db_url, stop, out))
+        stream.start()
+        time.sleep(0.2)
+        assert guard.release(first)
+        order = [out.get(timeout=30)[0] for _ in waiters]
+        stop.set()
+        assert out.get(timeout=30)[0] == "newcomers"
+        for p in (*waiters, stream):
+            p.join(timeout=30)
+            assert p.exitcode == 0
+        # The release went to the oldest waiter, not to the newcomers hammering
+        # the key, and every waiter got its turn despite them.
+        assert order[0] == "w0"
+        assert sorted(order) == ["w0", "w1", "w2"]
+    finally:
+        guard.dispose()
+
+
+def test_no_wait_is_the_default_and_zero_means_no_wait(guard: TaskGuard) -> None:
+    lease = guard.acquire("k", 30)
+    assert lease is not None
+    started = time.monotonic()
+    assert guard.acquire("k", 30) is None
+    assert guard.acquire("k", 30, wait=0) is None
+    assert time.monotonic() - started < 1
+
+
+def test_releases_notify_only_while_someone_waits(pg_url: str) -> None:
+    """NOTIFY serializes committing transactions, so the hot path must not send it."""
+    listener = psycopg.connect(_libpq(pg_url), autocommit=True)
+    guard = TaskGuard(pg_url)
+    try:
+        listener.execute("LISTEN taskguard_release")
+        for _ in range(20):
+            lease = guard.acquire("quiet", 30)
+            assert lease is not None and guard.release(lease)
+        assert list(listener.notifies(timeout=0.3)) == []
+        # Someone waits: the release wakes it (and the waiter gets the key).
+        lease = guard.acquire("busy", 30)
+        assert lease is not None
+        ctx = mp.get_context("fork")
+        out = ctx.Queue()
+        waiter = ctx.Process(target=_waiter, args=(pg_url, "busy", 20.0, out))
+        waiter.start()
+        time.sleep(0.5)
+        assert guard.release(lease)
+        assert [n.payload for n in listener.notifies(timeout=5, stop_after=1)] == ["busy"]
+        assert out.get(timeout=30)[0] == "granted"
+        waiter.join(timeout=30)
+    finally:
+        guard.dispose()
+        listener.close()

@@ -1,0 +1,168 @@
+"""@guarded_task definition, configuration errors, and what goes into the message
+(read back from Celery's in-memory transport, not mocked)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from taskguard import ConfigurationError, GuardedTask, TaskGuard, guarded_task, is_skipped
+from taskguard.celery.common import HEADER
+from taskguard.config import ENV_DATABASE_URL, reset_guards
+
+
+@pytest.fixture
+def memory_app(pg_url: str) -> Iterator[Celery]:
+    """A non-eager app publishing to the in-process memory transport."""
+    app = Celery("tg_opts", broker="memory://", set_as_current=False)
+    app.conf.update(task_default_queue=f"q-{uuid.uuid4().hex[:8]}", taskguard_database_url=pg_url)
+    yield app
+    reset_guards()
+
+
+def published(app: Celery) -> Any:
+    """The next message on the app's default queue."""
+    with app.connection_for_read() as conn:
+        queue = conn.SimpleQueue(app.conf.task_default_queue)
+        message = queue.get(timeout=5)
+        message.ack()
+        queue.close()
+        return message
+
+
+def test_the_key_travels_in_the_message_header(memory_app: Celery) -> None:
+    calls: list[str] = []
+
+    def key(url: str) -> str:
+        calls.append(url)
+        return f"feed:{url}"
+
+    @guarded_task(app=memory_app, shared=False, key=key)
+    def fetch(url: str) -> None: ...
+
+    fetch.apply_async(("a",), headers={"mine": 1})
+    message = published(memory_app)
+    assert message.headers[HEADER] == {"v": 1, "key": "feed:a", "via": "enqueue"}
+    assert message.headers["mine"] == 1  # the caller's headers are kept
+    assert calls == ["a"]
+
+
+def test_queue_phase_publishes_the_lease_it_took(memory_app: Celery, pg_url: str) -> None:
+    @guarded_task(app=memory_app, shared=False, key="q", ttl=5, queue_ttl=20, lock="queue")
+    def job() -> None: ...
+
+    result = job.apply_async(countdown=10)
+    header = published(memory_app).headers[HEADER]
+    guard = TaskGuard(pg_url)
+    try:
+        info = guard.get("q")
+        assert info is not None and info.held
+        assert header["lease"]["owner"] == info.owner and info.holder.task_id == result.id
+        # the lease covers the countdown plus the queue ttl
+        assert 20 < info.expires_in.total_seconds() <= 30
+        value = job.apply_async().get()  # conflict at enqueue: nothing published
+        assert is_skipped(value) and value["holder"]["task_id"] == result.id
+    finally:
+        guard.dispose()
+
+
+def test_bare_decorator_is_a_shared_task(pg_url: str) -> None:
+    @guarded_task
+    def bare_guarded_job(x: int) -> int:
+        return x
+
+    app = Celery("tg_bare", set_as_current=False)
+    app.conf.update(task_always_eager=True, taskguard_database_url=pg_url)
+    try:
+        task = app.tasks[f"{__name__}.bare_guarded_job"]
+        assert isinstance(task, GuardedTask)
+        assert task.apply((3,)).get() == 3
+    finally:
+        reset_guards()
+
+
+def test_app_task_with_base_and_taskguard_options(pg_url: str) -> None:
+    app = Celery("tg_base", set_as_current=False)
+    app.conf.update(task_always_eager=True, taskguard_database_url=pg_url)
+
+    @app.task(base=GuardedTask, taskguard_key=lambda n: f"n:{n}", taskguard_ttl=5, shared=False)
+    def job(n: int) -> int:
+        return n
+
+    try:
+        assert job.taskguard_key_for((4,)) == "n:4"  # a function stays a plain callable
+        assert job.delay(4).get() == 4
+    finally:
+        reset_guards()
+
+
+def test_bad_options_fail_at_definition() -> None:
+    with pytest.raises(ConfigurationError, match=r"tasks\.f: key template 'x:\{y\}' refers to 'y'"):
+
+        @guarded_task(name="tasks.f", key="x:{y}")
+        def f(x: int) -> None: ...
+
+    with pytest.raises(ConfigurationError, match="on_conflict='existing'"):
+
+        @guarded_task(on_conflict="existing")
+        def g() -> None: ...
+
+    with pytest.raises(ConfigurationError, match="must derive from GuardedTask"):
+
+        @guarded_task(base=object)
+        def h() -> None: ...
+
+
+def test_bind_true_tasks_key_on_their_own_arguments(pg_url: str) -> None:
+    app = Celery("tg_bind", set_as_current=False)
+    app.conf.update(task_always_eager=True, taskguard_database_url=pg_url)
+
+    @guarded_task(app=app, shared=False, bind=True, key="b:{n}")
+    def job(self: Any, n: int) -> str:
+        return str(self.request.id)
+
+    try:
+        assert job.taskguard_key_for((1,)) == "b:1"
+        assert job.delay(1).get()
+    finally:
+        reset_guards()
+
+
+def test_missing_database_url_is_a_clear_error_at_first_use(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(ENV_DATABASE_URL, raising=False)
+    app = Celery("tg_noconf", set_as_current=False)
+    app.conf.update(task_always_eager=True)
+
+    @guarded_task(app=app, shared=False)
+    def run_phase() -> None: ...
+
+    @guarded_task(app=app, shared=False, lock="queue")
+    def queue_phase() -> None: ...
+
+    result = run_phase.delay()  # defining and publishing a run-phase task needs no database
+    assert result.state == "FAILURE" and isinstance(result.result, ConfigurationError)
+    assert "taskguard_database_url" in str(result.result)
+    assert ENV_DATABASE_URL in str(result.result)
+    with pytest.raises(ConfigurationError, match="taskguard_database_url"):
+        queue_phase.delay()
+
+
+def test_database_url_from_the_environment(monkeypatch: pytest.MonkeyPatch, pg_url: str) -> None:
+    monkeypatch.setenv(ENV_DATABASE_URL, pg_url)
+    app = Celery("tg_env", set_as_current=False)
+    app.conf.update(task_always_eager=True)
+
+    @guarded_task(app=app, shared=False)
+    def job() -> str:
+        return "ok"
+
+    try:
+        assert job.delay().get() == "ok"
+    finally:
+        reset_guards()

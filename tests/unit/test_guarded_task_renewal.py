@@ -1,0 +1,110 @@
+"""The renewer on its own: a real lease on PostgreSQL, renewed by the heartbeat
+thread; an unreachable database (a closed port, not a mock) makes it lost."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from taskguard import LeaseLost, TaskGuard, signals
+from taskguard.celery.renewal import ActiveRun, Heartbeat, current_lease, enter_run, exit_run
+
+UNREACHABLE = "postgresql+psycopg://postgres@127.0.0.1:1/nowhere?connect_timeout=1"
+
+
+@pytest.fixture
+def dead_guard() -> Iterator[TaskGuard]:
+    g = TaskGuard(UNREACHABLE)
+    yield g
+    g.dispose()
+
+
+class Sender:
+    """Stands in for a task object (only its lifetime matters here)."""
+
+
+def test_heartbeat_renews_until_stopped(pg_guard: TaskGuard) -> None:
+    lease = pg_guard.acquire("k", 1.0)
+    assert lease is not None
+    first_expiry = lease.expires_at
+    run = ActiveRun(pg_guard, "k", lease, request=None)
+    beat = Heartbeat(run, Sender(), "tid").start()
+    try:
+        time.sleep(2.2)  # more than two ttls
+        info = pg_guard.get("k")
+        assert info is not None and info.held and info.owner == lease.owner
+        assert lease.expires_at > first_expiry and run.lost is None
+    finally:
+        beat.stop()
+    assert not beat._thread.is_alive()
+    time.sleep(1.2)
+    info = pg_guard.get("k")
+    assert info is not None and not info.held  # nobody renews after stop()
+
+
+def test_unreachable_database_loses_the_lease_when_it_runs_out(
+    pg_guard: TaskGuard, dead_guard: TaskGuard, caplog: pytest.LogCaptureFixture
+) -> None:
+    lease = pg_guard.acquire("k", 1.0)
+    assert lease is not None
+    run = ActiveRun(dead_guard, "k", lease, request=None)
+    lost: list[dict[str, Any]] = []
+
+    def receiver(sender: Any = None, **kw: Any) -> None:
+        lost.append(kw)
+
+    signals.lease_lost.connect(receiver, weak=False)
+    caplog.set_level(logging.WARNING, logger="taskguard.celery")
+    token = enter_run(run)
+    beat = Heartbeat(run, None, "tid").start()
+    try:
+        deadline = time.monotonic() + 5
+        while run.lost is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert isinstance(run.lost, LeaseLost) and "ran out" in run.lost.reason
+        with pytest.raises(LeaseLost):
+            current_lease()
+        assert current_lease(check=False) is lease
+    finally:
+        beat.stop()
+        exit_run(token)
+        signals.lease_lost.disconnect(receiver)
+    assert lost and lost[0]["key"] == "k"
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("could not renew lock 'k'" in m for m in messages)  # retried first
+    assert any(m.startswith("lost lock 'k'") for m in messages)
+
+
+def test_handed_over_lease_is_not_reported_lost(pg_guard: TaskGuard) -> None:
+    lease = pg_guard.acquire("k", 0.3)
+    assert lease is not None
+    run = ActiveRun(pg_guard, "k", lease, request=None)
+    beat = Heartbeat(run, None, "tid").start()
+    try:
+        run.handed_over = True
+        assert pg_guard.release(lease)  # the retried run finished and released it
+        time.sleep(0.5)
+        assert run.lost is None
+    finally:
+        beat.stop()
+
+
+def test_heartbeat_does_not_keep_the_task_alive(pg_guard: TaskGuard) -> None:
+    lease = pg_guard.acquire("k", 5)
+    assert lease is not None
+    sender = Sender()
+    ref = weakref.ref(sender)
+    run = ActiveRun(pg_guard, "k", lease, request=None)
+    beat = Heartbeat(run, sender, "tid").start()
+    try:
+        del sender
+        gc.collect()
+        assert ref() is None
+    finally:
+        beat.stop()
