@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sqlite3
 import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
+import psycopg
 from sqlalchemy import URL, Engine, create_engine, event, make_url
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.pool import StaticPool
@@ -21,7 +23,9 @@ from sqlalchemy.pool import StaticPool
 from taskguard.dialects import LockSQL, Statement, lock_sql_for
 from taskguard.exceptions import (
     ConfigurationError,
+    DatabaseError,
     DatabaseUnavailable,
+    PermissionDenied,
     SchemaMissing,
     TaskGuardError,
 )
@@ -102,8 +106,19 @@ def _dispose_after_fork(ref: weakref.ref[Engine]) -> None:
         engine.dispose(close=False)
 
 
-def translate_error(exc: BaseException, url: str) -> TaskGuardError:
-    """Map a driver/SQLAlchemy exception to taskguard's hierarchy."""
+# SQLSTATE classes that mean "the server or the connection is in trouble" (retryable):
+# connection exception, operator intervention, insufficient resources, system error,
+# transaction rollback (serialization failure / deadlock).
+_OUTAGE_CLASSES = ("08", "57", "53", "58", "40")
+_SQLITE_OUTAGE = ("database is locked", "unable to open", "disk i/o", "database is full")
+
+
+def translate_error(exc: BaseException, url: str, *, sent: bool = True) -> TaskGuardError:
+    """Map a driver/SQLAlchemy exception to taskguard's hierarchy.
+
+    ``sent=False`` says no statement reached the server (the connection could not be
+    opened), so the caller knows the operation did not happen.
+    """
     if isinstance(exc, TaskGuardError):
         return exc
     text = str(getattr(exc, "orig", None) or exc)
@@ -131,7 +146,32 @@ def translate_error(exc: BaseException, url: str) -> TaskGuardError:
             f"taskguard's tables are missing in {url}: run `taskguard db upgrade "
             f"--database-url ...` first ({first})"
         )
-    return DatabaseUnavailable(f"lock database {url} unavailable: {first}", url)
+    if sqlstate == "42501" or "permission denied" in low or "readonly database" in low:
+        return PermissionDenied(
+            f"the database role lacks a privilege on taskguard's objects in {url}: {first} "
+            "(see docs/reliability.md, 'Least privilege')",
+            url,
+        )
+    outage = (
+        not sent
+        or (sqlstate is None and not isinstance(getattr(exc, "orig", exc), _STATEMENT_ERRORS))
+        or (sqlstate is not None and sqlstate[:2] in _OUTAGE_CLASSES)
+        or any(marker in low for marker in _SQLITE_OUTAGE)
+    )
+    if outage:
+        return DatabaseUnavailable(f"lock database {url} unavailable: {first}", url, sent)
+    return DatabaseError(f"lock statement refused by {url}: {first}", url)
+
+
+# Driver errors that mean the statement itself was refused, not the connection.
+_STATEMENT_ERRORS: tuple[type[BaseException], ...] = (
+    sqlite3.IntegrityError,
+    sqlite3.DataError,
+    sqlite3.ProgrammingError,
+    psycopg.DataError,
+    psycopg.IntegrityError,
+    psycopg.ProgrammingError,
+)
 
 
 class Executor:
@@ -170,13 +210,30 @@ class Executor:
         self._serial = (
             threading.Lock() if _is_memory_sqlite(self.engine.url) else contextlib.nullcontext()
         )
+        # On its own engine the guard keeps one connection (and cursor) checked out per
+        # thread: a pool checkout + return per statement was most of taskguard's Python
+        # overhead per acquire+release (docs/benchmarks.md). At most pool_size threads
+        # pin one, so a big threads pool never starves the pool; the rest borrow per
+        # statement. A thread's connection goes back when the thread ends, or on dispose().
+        self._pin_limit = 0
+        # PostgreSQL only: SQLite connections object to being closed from another
+        # thread (a dead thread's connection is returned by the garbage collector).
+        if self.owns_engine and self.dialect.name == "postgresql":
+            size = getattr(self.engine.pool, "size", None)
+            self._pin_limit = int(size()) if callable(size) else 0
+        self._local = threading.local()
+        self._pinned: weakref.WeakSet[_Pinned] = weakref.WeakSet()
+        self._pin_lock = threading.Lock()
+        if self._pin_limit and hasattr(os, "register_at_fork"):
+            self_ref = weakref.ref(self)
+            os.register_at_fork(after_in_child=lambda: _forget_pinned_after_fork(self_ref))
 
     @contextlib.contextmanager
     def _borrow(self) -> Iterator[Any]:
         try:
             conn = self.engine.raw_connection()
         except Exception as exc:
-            raise translate_error(exc, self.url) from exc
+            raise translate_error(exc, self.url, sent=False) from exc
         try:
             if self._toggle_autocommit and conn.dbapi_connection is not None:
                 self.dialect.set_isolation_level(conn.dbapi_connection, "AUTOCOMMIT")
@@ -186,6 +243,7 @@ class Executor:
                 exc, conn.dbapi_connection, None
             ):
                 conn.invalidate(exc)
+                self._flush_pool()
             raise
         finally:
             if self._toggle_autocommit and conn.dbapi_connection is not None:
@@ -199,6 +257,21 @@ class Executor:
         Returns the rows (if any) and the affected row count.
         """
         params = stmt.params(values)
+        pinned = self._pinned_connection() if self._pin_limit else None
+        if pinned is not None:
+            cur = pinned.cursor
+            try:
+                cur.execute(stmt.sql, params)
+                rows = cur.fetchall() if cur.description is not None else []
+                return rows, cur.rowcount
+            except Exception as exc:
+                if isinstance(exc, self.dialect.loaded_dbapi.Error):
+                    if self.dialect.is_disconnect(exc, pinned.conn.dbapi_connection, cur):
+                        self._local.pinned = None
+                        pinned.drop(exc)
+                        self._flush_pool()
+                    raise translate_error(exc, self.url) from exc
+                raise
         with self._serial:
             try:
                 with self._borrow() as conn:
@@ -216,7 +289,80 @@ class Executor:
                     raise translate_error(exc, self.url) from exc
                 raise
 
+    def _flush_pool(self) -> None:
+        # One dead connection usually means the server dropped them all (restart,
+        # failover, pg_terminate_backend): never read back on another stale one.
+        if self.owns_engine:
+            self.engine.dispose()
+
+    def _pinned_connection(self) -> _Pinned | None:
+        pinned: _Pinned | None = getattr(self._local, "pinned", None)
+        if pinned is not None and pinned.conn is not None:
+            return pinned
+        with self._pin_lock:
+            if len(self._pinned) >= self._pin_limit:
+                return None  # enough threads pin already: borrow per statement
+            try:
+                pinned = _Pinned(self.engine.raw_connection())
+            except Exception as exc:
+                raise translate_error(exc, self.url, sent=False) from exc
+            self._pinned.add(pinned)
+        self._local.pinned = pinned
+        return pinned
+
     def dispose(self) -> None:
         """Close pooled connections if the guard created the engine."""
         if self.owns_engine:
+            for pinned in list(self._pinned):
+                pinned.drop()
+            self._pinned = weakref.WeakSet()
+            self._local = threading.local()
             self.engine.dispose()
+
+
+def _give_back(conn: Any) -> None:
+    with contextlib.suppress(Exception):
+        conn.close()
+
+
+class _Pinned:
+    """One thread's checked-out connection and cursor. Returned to the pool when the
+    thread ends (its thread-local dies), on :meth:`drop`, or on dispose()."""
+
+    __slots__ = ("__weakref__", "_finalizer", "conn", "cursor")
+
+    def __init__(self, conn: Any) -> None:
+        self.conn: Any = conn
+        self.cursor = conn.dbapi_connection.cursor()
+        self._finalizer = weakref.finalize(self, _give_back, conn)
+        self._finalizer.atexit = False  # a forked child must never close its parent's socket
+
+    def drop(self, exc: BaseException | None = None) -> None:
+        conn, self.conn = self.conn, None
+        self._finalizer.detach()
+        if conn is None:
+            return
+        with contextlib.suppress(Exception):
+            if exc is not None:
+                conn.invalidate(exc)
+            else:
+                conn.close()
+
+    def forget(self) -> None:
+        """After fork: the socket is the parent's; keep it referenced, never touch it."""
+        self._finalizer.detach()
+        _INHERITED.append(self.conn)
+        self.conn = None
+
+
+#: Connections a forked child inherited pinned: kept referenced so they are never closed.
+_INHERITED: list[Any] = []
+
+
+def _forget_pinned_after_fork(ref: weakref.ref[Executor]) -> None:
+    executor = ref()
+    if executor is not None:
+        for pinned in list(executor._pinned):
+            pinned.forget()
+        executor._pinned = weakref.WeakSet()
+        executor._local = threading.local()

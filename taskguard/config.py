@@ -32,9 +32,15 @@ DEFAULTS: dict[str, Any] = {
     #: Seconds between reaper runs. When set, importing taskguard puts the reaper on the
     #: beat schedule of every app that has it (otherwise call taskguard.schedule_reaper(app)).
     "taskguard_reaper_interval": None,
+    #: Record grants, conflicts, releases and losses in task_lock_events (taskguard explain).
+    "taskguard_history": False,
+    #: Seconds of history the reaper keeps.
+    "taskguard_history_retention": 604800.0,
+    #: Longest wait of on_conflict="wait" tasks that do not set wait_timeout (seconds).
+    "taskguard_wait_timeout": 300.0,
 }
 
-_guards: dict[tuple[str, bool], TaskGuard] = {}
+_guards: dict[tuple[str, bool, bool, float], TaskGuard] = {}
 _guards_lock = threading.Lock()
 
 
@@ -63,7 +69,9 @@ def guard_for(app: Any = None) -> TaskGuard:
     """The process-wide :class:`TaskGuard` for ``app``'s configuration."""
     url = database_url(app)
     durable = bool(setting(app, "taskguard_durable"))
-    key = (url, durable)
+    history = bool(setting(app, "taskguard_history"))
+    retention = float(setting(app, "taskguard_history_retention"))
+    key = (url, durable, history, retention)
     guard = _guards.get(key)
     if guard is not None:
         return guard
@@ -71,7 +79,9 @@ def guard_for(app: Any = None) -> TaskGuard:
         guard = _guards.get(key)
         if guard is None:
             options = dict(setting(app, "taskguard_engine_options") or {})
-            guard = TaskGuard(url, durable=durable, **options)
+            guard = TaskGuard(
+                url, durable=durable, history=history, history_retention=retention, **options
+            )
             _guards[key] = guard
         return guard
 

@@ -15,19 +15,30 @@ if TYPE_CHECKING:
 __all__ = [
     "AlreadyLocked",
     "ConfigurationError",
+    "DatabaseError",
     "DatabaseUnavailable",
+    "InvalidArgument",
     "InvalidKey",
     "InvalidTTL",
     "LeaseLost",
     "LockHeld",
     "OutcomeUnknown",
+    "PermissionDenied",
     "SchemaMissing",
     "TaskGuardError",
 ]
 
 
 class TaskGuardError(Exception):
-    """Base class of all taskguard errors."""
+    """Base class of all taskguard errors.
+
+    Subclasses pass every constructor argument to ``Exception.__init__`` (message
+    first) so that pickle and Celery's JSON result backend, which rebuild an
+    exception as ``cls(*args)``, give back the same type with the same fields.
+    """
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else super().__str__()
 
 
 class ConfigurationError(TaskGuardError):
@@ -38,7 +49,7 @@ class InvalidKey(TaskGuardError, ValueError):
     """A lock key cannot be stored (wrong type, empty, NUL, unencodable)."""
 
     def __init__(self, message: str, key: object) -> None:
-        super().__init__(message)
+        super().__init__(message, key)
         self.key = key
 
 
@@ -46,8 +57,17 @@ class InvalidTTL(TaskGuardError, ValueError):
     """A lease duration is not a positive, finite number of seconds in range."""
 
     def __init__(self, message: str, ttl: object) -> None:
-        super().__init__(message)
+        super().__init__(message, ttl)
         self.ttl = ttl
+
+
+class InvalidArgument(TaskGuardError, ValueError):
+    """A holder detail, slot or limit the lock table cannot store; ``name`` says which."""
+
+    def __init__(self, message: str, name: str, value: object) -> None:
+        super().__init__(message, name, value)
+        self.name = name
+        self.value = value
 
 
 class LockHeld(TaskGuardError):
@@ -100,22 +120,46 @@ class LeaseLost(TaskGuardError):
 
 
 class DatabaseUnavailable(TaskGuardError):
-    """The lock database could not be reached or the connection broke."""
+    """The lock database could not be reached or the connection broke.
 
-    def __init__(self, message: str, url: str | None = None) -> None:
-        super().__init__(message)
+    ``statement_sent`` is ``False`` when no statement reached the server (the
+    connection could not even be opened): the operation certainly did not happen.
+    """
+
+    def __init__(self, message: str, url: str | None = None, statement_sent: bool = True) -> None:
+        super().__init__(message, url, statement_sent)
         self.url = url
+        self.statement_sent = statement_sent
 
 
 class OutcomeUnknown(DatabaseUnavailable):
     """The connection broke while a lock statement was in flight and the true
     outcome could not be read back. Treat the key as possibly held by ``owner``
-    until ``expires_at`` at the latest (never assume you hold it)."""
+    until its ttl ends at the latest (never assume you hold it)."""
 
     def __init__(self, message: str, key: str, owner: str, url: str | None = None) -> None:
         super().__init__(message, url)
+        self.args = (message, key, owner, url)
         self.key = key
         self.owner = owner
+
+
+class PermissionDenied(TaskGuardError):
+    """The database role lacks a privilege on taskguard's objects (see
+    docs/reliability.md, "Least privilege"); the message names the object."""
+
+    def __init__(self, message: str, url: str | None = None) -> None:
+        super().__init__(message, url)
+        self.url = url
+
+
+class DatabaseError(TaskGuardError):
+    """A lock statement was refused by the database for a reason other than an
+    outage, a missing schema or a missing privilege (the message has the driver's)."""
+
+    def __init__(self, message: str, url: str | None = None) -> None:
+        super().__init__(message, url)
+        self.url = url
 
 
 class SchemaMissing(TaskGuardError):

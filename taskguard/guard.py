@@ -32,7 +32,7 @@ from taskguard.exceptions import (
     SchemaMissing,
 )
 from taskguard.fencing import fence
-from taskguard.keys import normalize_key, validate_ttl
+from taskguard.keys import normalize_key, validate_holder, validate_ttl
 from taskguard.lease import Lease, LockInfo
 from taskguard.operations import DEFAULT_HISTORY_RETENTION, GuardOperations, ReapResult
 from taskguard.waiting import wait_for
@@ -145,6 +145,7 @@ class TaskGuard(GuardOperations):
         """
         key = normalize_key(key)
         seconds = validate_ttl(ttl)
+        validate_holder(task_name, task_id, hostname, pid, slot)
         if limit != 1 or min_hold is not None or wait is not None or type(limit) is not int:
             return self._acquire_ext(
                 key, seconds, _limit(limit, slot), min_hold, _wait(wait), slot,
@@ -231,13 +232,26 @@ class TaskGuard(GuardOperations):
         except (SchemaMissing, OutcomeUnknown):
             raise
         except DatabaseUnavailable as exc:
+            if not exc.statement_sent:
+                raise  # nothing reached the server: certainly not granted
             # The grant may have committed before the connection broke. Never assume:
             # read back by owner, which is unique to this attempt.
             recovered = self._recover(key, None if limit > 1 else values["slot"], values, exc)
             if recovered is not None:
                 recovered.ttl, recovered.min_hold = seconds, hold
                 return recovered
-            rows, _ = self._db.run(stmt, values)
+            try:
+                rows, _ = self._db.run(stmt, values)
+            except DatabaseUnavailable as again:
+                if not again.statement_sent:
+                    raise
+                raise OutcomeUnknown(
+                    f"connection to {self.url} broke again while retrying the acquire of "
+                    f"{key!r}; owner {values['owner']} may hold it until its ttl ends",
+                    key,
+                    values["owner"],
+                    self.url,
+                ) from again
         if limit > 1:
             if rows and rows[0][1] is None:
                 # Lost the race for a new slot to a concurrent acquirer: one more try
@@ -298,9 +312,15 @@ class TaskGuard(GuardOperations):
         try:
             _, count = self._db.run(stmt, values)
         except DatabaseUnavailable as exc:
+            if not exc.statement_sent:
+                raise
             info = self._reread_or_unknown(lease, "releasing", exc)
-            if info is None or info.owner != lease.owner or not info.held:
+            if info is None or info.owner != lease.owner:
                 return False
+            if not info.held:
+                # Still our row but ended before its expiry: our release committed and
+                # only the reply was lost. Ended at or after it: it had expired.
+                return info.expires_at < lease.expires_at
             _, count = self._db.run(stmt, values)
         if self.history:
             self._record_end(lease, "released" if count == 1 else "lost", "at release")
@@ -323,6 +343,8 @@ class TaskGuard(GuardOperations):
         try:
             rows, _ = self._db.run(stmt, values)
         except DatabaseUnavailable as exc:
+            if not exc.statement_sent:
+                raise
             info = self._reread_or_unknown(lease, "renewing", exc)
             if info is None or info.owner != lease.owner or not info.held:
                 return False

@@ -11,9 +11,16 @@ import hashlib
 import math
 from datetime import timedelta
 
-from taskguard.exceptions import InvalidKey, InvalidTTL
+from taskguard.exceptions import InvalidArgument, InvalidKey, InvalidTTL
 
-__all__ = ["MAX_KEY_LENGTH", "MAX_TTL", "MIN_TTL", "normalize_key", "validate_ttl"]
+__all__ = [
+    "MAX_KEY_LENGTH",
+    "MAX_TTL",
+    "MIN_TTL",
+    "normalize_key",
+    "validate_holder",
+    "validate_ttl",
+]
 
 #: Longest key stored verbatim (characters). Matches the column width.
 MAX_KEY_LENGTH = 255
@@ -65,7 +72,10 @@ def validate_ttl(ttl: object, *, name: str = "ttl") -> float:
             f"{name} must be a number of seconds or a timedelta, not {type(ttl).__name__}", ttl
         )
     else:
-        seconds = float(ttl)
+        try:
+            seconds = float(ttl)
+        except OverflowError:
+            raise InvalidTTL(f"{name} is far too large: {ttl!r:.40}", ttl) from None
     if not math.isfinite(seconds):
         raise InvalidTTL(f"{name} must be finite, got {ttl!r}", ttl)
     if seconds < MIN_TTL:
@@ -75,3 +85,40 @@ def validate_ttl(ttl: object, *, name: str = "ttl") -> float:
             f"{name} must be at most {MAX_TTL:.0f} seconds (366 days), got {ttl!r}", ttl
         )
     return seconds
+
+
+_MAX_DETAIL = 255  # width of task_name / task_id / hostname
+_MAX_PID = 2**31 - 1
+_MAX_SLOT = 2**15 - 1
+
+
+def validate_holder(
+    task_name: object, task_id: object, hostname: object, pid: object, slot: object
+) -> None:
+    """Refuse holder details the columns cannot store (before any statement is sent)."""
+    for name, value in (("task_name", task_name), ("task_id", task_id), ("hostname", hostname)):
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise InvalidArgument(
+                f"{name} must be a str or None, not {type(value).__name__}", name, value
+            )
+        if len(value) > _MAX_DETAIL or "\x00" in value:
+            raise InvalidArgument(
+                f"{name} must be at most {_MAX_DETAIL} characters without NUL: {value[:60]!r}",
+                name,
+                value,
+            )
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidArgument(
+                f"{name} is not valid Unicode text: {value[:60]!r}", name, value
+            ) from None
+    for name, value, top in (("pid", pid, _MAX_PID), ("slot", slot, _MAX_SLOT)):
+        if value is None and name == "pid":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= top:
+            raise InvalidArgument(
+                f"{name} must be an int from 0 to {top}, got {value!r}", name, value
+            )

@@ -109,15 +109,24 @@ def describe_holder(holder: LockInfo | None) -> str:
 
 
 def live_holder(guard: TaskGuard, key: str) -> LockInfo | None:
-    info = guard.get(key)
-    return info if info is not None and info.held else None
+    """A live holder of ``key`` (the one whose lease ends first, under a limit)."""
+    live = [info for info in guard.get_all(key) if info.held]
+    return min(live, key=lambda info: info.expires_at) if live else None
 
 
-def lease_from_info(info: LockInfo) -> Lease:
-    """A :class:`Lease` for a row read from the table (to release it by owner)."""
+def lease_from_info(info: LockInfo, min_hold: float | None = None) -> Lease:
+    """A :class:`Lease` for a row read from the table (to release it by owner).
+    Pass the task's ``min_hold`` so the release keeps its throttle window."""
     ttl = max((info.expires_at - info.acquired_at).total_seconds(), 0.001)
     return Lease(
-        info.key, info.owner, info.token, info.acquired_at, info.expires_at, ttl, info.slot
+        info.key,
+        info.owner,
+        info.token,
+        info.acquired_at,
+        info.expires_at,
+        ttl,
+        info.slot,
+        min_hold or 0.0,
     )
 
 

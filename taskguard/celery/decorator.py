@@ -32,6 +32,9 @@ def guarded_task(
     lock: str = "run",
     on_conflict: str = "skip",
     retry_countdown: Any = None,
+    limit: int = 1,
+    min_hold: Any = None,
+    wait_timeout: Any = None,
     **options: Any,
 ) -> Callable[[Callable[..., Any]], Any]: ...
 
@@ -48,6 +51,9 @@ def guarded_task(
     lock: str = "run",
     on_conflict: str = "skip",
     retry_countdown: Any = None,
+    limit: int = 1,
+    min_hold: Any = None,
+    wait_timeout: Any = None,
     **options: Any,
 ) -> Any:
     """Define a Celery task that runs at most once at a time per lock key.
@@ -72,9 +78,20 @@ def guarded_task(
         ``"run"`` (held while the body runs), ``"queue"`` (from ``.delay()`` until a
         worker starts it) or ``"queue_and_run"`` (from ``.delay()`` until it ends).
     ``on_conflict``
-        ``"skip"``, ``"raise"``, ``"retry"`` or ``"existing"`` (queue phases).
+        ``"skip"``, ``"raise"``, ``"retry"``, ``"existing"`` (queue phases) or
+        ``"wait"`` (``lock="run"``: block the worker until the key is free, then run;
+        skipped if it is still held after ``wait_timeout``).
     ``retry_countdown``
         Countdown of ``on_conflict="retry"``; default: until the holder's lease ends.
+    ``limit``
+        Concurrency limit: at most this many runs per key at once (default 1). Use
+        the same limit everywhere the key is taken.
+    ``min_hold``
+        Throttle window in seconds: the key stays taken until this long after each
+        run started, even when it returned earlier or its worker died.
+    ``wait_timeout``
+        Longest wait of ``on_conflict="wait"``; default:
+        ``app.conf.taskguard_wait_timeout`` (300 s).
 
     Options are checked here: a bad value raises :class:`ConfigurationError` naming
     the task and the option when the module is imported.
@@ -92,6 +109,9 @@ def guarded_task(
         "lock": lock,
         "on_conflict": on_conflict,
         "retry_countdown": retry_countdown,
+        "limit": limit,
+        "min_hold": min_hold,
+        "wait_timeout": wait_timeout,
     }
 
     def decorate(func: Callable[..., Any]) -> Any:

@@ -42,6 +42,8 @@ def start_queue_phase(
         return False, None
     if not header.get("deferred"):
         return False, None
+    limit = task.taskguard_options.limit
+    # No min_hold here: releasing a probe must not start a throttle window.
     probe, holder = common.acquire_or_holder(
         guard,
         key,
@@ -49,6 +51,7 @@ def start_queue_phase(
         task_name=task.name,
         task_id=request.id,
         hostname=request.hostname,
+        **({"limit": limit} if limit != 1 else {}),
     )
     if probe is None:
         return True, holder
@@ -68,7 +71,13 @@ def take_over(
     )
     if claim is None:
         return None, None, True, holder
-    lease = guard.adopt(key, str(handed.get("owner")), ttl)
+    lease = guard.adopt(
+        key,
+        str(handed.get("owner")),
+        ttl,
+        slot=int(handed.get("slot", 0)),
+        min_hold=float(handed.get("min_hold", 0)) or None,
+    )
     if lease is None:
         log.info("hand-off of lock %r to %s[%s] lapsed; acquiring", key, task.name, request.id)
         common.release_quietly(guard, claim)

@@ -109,7 +109,7 @@ def canonical_json(value: Any) -> str:
 def args_digest(arguments: Mapping[str, Any]) -> str:
     """Digest of named arguments (independent of order and of serializer round trips)."""
     text = canonical_json(dict(arguments))
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:DIGEST_CHARS]
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:DIGEST_CHARS]
 
 
 class _TemplateFormatter(string.Formatter):

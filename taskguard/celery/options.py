@@ -11,6 +11,7 @@ from typing import Any
 
 from taskguard.celery.keys import KeyDeriver, KeyOption
 from taskguard.exceptions import ConfigurationError, InvalidTTL
+from taskguard.guard import MAX_LIMIT
 from taskguard.keys import validate_ttl
 
 __all__ = ["CONFLICT_STRATEGIES", "LOCK_PHASES", "GuardOptions", "build_options", "signature_of"]
@@ -19,7 +20,7 @@ __all__ = ["CONFLICT_STRATEGIES", "LOCK_PHASES", "GuardOptions", "build_options"
 #: it; or from enqueue until the body finishes.
 LOCK_PHASES = ("run", "queue", "queue_and_run")
 #: What a submission does when the key is held.
-CONFLICT_STRATEGIES = ("skip", "raise", "retry", "existing")
+CONFLICT_STRATEGIES = ("skip", "raise", "retry", "existing", "wait")
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,22 @@ class GuardOptions:
     #: Countdown for ``on_conflict="retry"``; ``None``: the time left on the holder's lease.
     retry_countdown: float | None
     keys: KeyDeriver
+    #: Concurrency limit: at most this many runs per key at once.
+    limit: int = 1
+    #: Throttle window (seconds): the key stays taken this long after each grant.
+    min_hold: float | None = None
+    #: Longest wait of ``on_conflict="wait"``; ``None``: ``taskguard_wait_timeout``.
+    wait_timeout: float | None = None
+
+    @property
+    def acquire_options(self) -> dict[str, Any]:
+        """Extra keyword arguments for :meth:`TaskGuard.acquire` (limit, min_hold)."""
+        extra: dict[str, Any] = {}
+        if self.limit != 1:
+            extra["limit"] = self.limit
+        if self.min_hold is not None:
+            extra["min_hold"] = self.min_hold
+        return extra
 
     @property
     def locks_queue(self) -> bool:
@@ -101,6 +118,9 @@ def build_options(
     lock: object = "run",
     on_conflict: object = "skip",
     retry_countdown: object = None,
+    limit: object = 1,
+    min_hold: object = None,
+    wait_timeout: object = None,
 ) -> GuardOptions:
     """Validate taskguard's options for a task; a :class:`ConfigurationError`
     naming the task and the option otherwise."""
@@ -126,6 +146,19 @@ def build_options(
         raise ConfigurationError(
             f"task {task_name}: retry_countdown applies to on_conflict='retry' only"
         )
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+        raise ConfigurationError(
+            f"task {task_name}: limit must be an int from 1 to {MAX_LIMIT}, got {limit!r}"
+        )
+    if on_conflict == "wait" and lock != "run":
+        raise ConfigurationError(
+            f"task {task_name}: on_conflict='wait' blocks a worker until the key is free, "
+            "so it needs lock='run' (publishers never block)"
+        )
+    if wait_timeout is not None and on_conflict != "wait":
+        raise ConfigurationError(
+            f"task {task_name}: wait_timeout applies to on_conflict='wait' only"
+        )
     return GuardOptions(
         lock=str(lock),
         on_conflict=str(on_conflict),
@@ -133,4 +166,7 @@ def build_options(
         queue_ttl=_seconds(task_name, "queue_ttl", queue_ttl),
         retry_countdown=_countdown(task_name, retry_countdown),
         keys=KeyDeriver(task_name, signature, key=key, key_args=key_args),
+        limit=limit,
+        min_hold=_seconds(task_name, "min_hold", min_hold),
+        wait_timeout=_seconds(task_name, "wait_timeout", wait_timeout),
     )

@@ -33,10 +33,11 @@ from taskguard.celery.common import HEADER, header_of
 from taskguard.celery.options import GuardOptions, build_options
 from taskguard.celery.renewal import ActiveRun, Heartbeat, active_run, enter_run, exit_run
 from taskguard.celery.results import skipped_result
-from taskguard.config import guard_for
+from taskguard.config import guard_for, setting
 from taskguard.exceptions import AlreadyLocked
 from taskguard.guard import TaskGuard
-from taskguard.lease import LockInfo
+from taskguard.keys import validate_ttl
+from taskguard.lease import Lease, LockInfo
 
 __all__ = ["GuardedTask"]
 
@@ -50,11 +51,15 @@ _OPTION_ATTRS = {
     "taskguard_lock": "lock",
     "taskguard_on_conflict": "on_conflict",
     "taskguard_retry_countdown": "retry_countdown",
+    "taskguard_limit": "limit",
+    "taskguard_min_hold": "min_hold",
+    "taskguard_wait_timeout": "wait_timeout",
 }
 
 
 class GuardedTask(Task):  # type: ignore[misc]
-    """Celery task base class running at most one execution per lock key.
+    """Celery task base class running at most one execution per lock key (at most
+    ``taskguard_limit`` with a concurrency limit).
 
     Use :func:`taskguard.guarded_task`, or ``@app.task(base=GuardedTask,
     taskguard_key=..., taskguard_ttl=..., taskguard_lock=..., taskguard_on_conflict=...)``.
@@ -71,10 +76,16 @@ class GuardedTask(Task):  # type: ignore[misc]
     taskguard_queue_ttl: Any = None
     #: "run", "queue" or "queue_and_run".
     taskguard_lock: Any = "run"
-    #: "skip", "raise", "retry" or "existing".
+    #: "skip", "raise", "retry", "existing" or "wait".
     taskguard_on_conflict: Any = "skip"
     #: Countdown of conflict retries; None: until the holder's lease ends.
     taskguard_retry_countdown: Any = None
+    #: Concurrency limit: at most this many runs per key at once.
+    taskguard_limit: Any = 1
+    #: Throttle window (seconds): the key stays taken this long after each grant.
+    taskguard_min_hold: Any = None
+    #: Longest wait of on_conflict="wait"; None: the app's ``taskguard_wait_timeout``.
+    taskguard_wait_timeout: Any = None
     #: Releases what a killed child held (see taskguard.celery.worker).
     Request = "taskguard.celery.worker:GuardedRequest"
 
@@ -145,7 +156,7 @@ class GuardedTask(Task):  # type: ignore[misc]
         guard = self._guard()
         ttl = common.clamp_ttl(self._queue_ttl() + common.publish_delay(options))
         lease, holder = common.acquire_or_holder(
-            guard, key, ttl, task_name=self.name, task_id=task_id
+            guard, key, ttl, task_name=self.name, task_id=task_id, **opts.acquire_options
         )
         if lease is None:
             return self._enqueue_conflict(key, holder, task_id, args, kwargs, headers, options)
@@ -252,11 +263,9 @@ class GuardedTask(Task):  # type: ignore[misc]
             if blocked:
                 return self._run_conflict(request, key, holder, own=True)
         if lease is None:
-            lease, holder = common.acquire_or_holder(
-                guard, key, ttl, task_name=self.name, task_id=request.id, hostname=request.hostname
-            )
+            lease, holder, waited = self._acquire_run(guard, request, key, ttl)
             if lease is None:
-                return self._run_conflict(request, key, holder)
+                return self._run_conflict(request, key, holder, waited=waited)
             signals.lock_acquired.send(sender=self, key=key, lease=lease)
         run = ActiveRun(guard, key, lease, request, claim)
         token = enter_run(run)
@@ -269,21 +278,56 @@ class GuardedTask(Task):  # type: ignore[misc]
             exit_run(token)
             self._finish(run)
 
+    def _acquire_run(
+        self, guard: TaskGuard, request: Any, key: str, ttl: float
+    ) -> tuple[Lease | None, LockInfo | None, float | None]:
+        """The run's lease, or the holder that kept it from us; with
+        on_conflict="wait" also the seconds waited (one blocking acquire)."""
+        opts = self.taskguard_options
+        details = {"task_name": self.name, "task_id": request.id, "hostname": request.hostname}
+        if opts.on_conflict != "wait":
+            lease, holder = common.acquire_or_holder(
+                guard, key, ttl, **details, **opts.acquire_options
+            )
+            return lease, holder, None
+        timeout = opts.wait_timeout
+        if timeout is None:
+            setting_value = setting(self._get_app(), "taskguard_wait_timeout")
+            timeout = validate_ttl(setting_value, name="taskguard_wait_timeout")
+        started = time.monotonic()
+        lease = guard.acquire(key, ttl, **details, **opts.acquire_options, wait=timeout)
+        if lease is not None:
+            return lease, None, None
+        return None, common.live_holder(guard, key), time.monotonic() - started
+
     def _run_conflict(
-        self, request: Any, key: str, holder: LockInfo | None, *, own: bool = False
+        self,
+        request: Any,
+        key: str,
+        holder: LockInfo | None,
+        *,
+        own: bool = False,
+        waited: float | None = None,
     ) -> Any:
         opts = self.taskguard_options
         # Another delivery of this very message (broker redelivery) holds it: never
         # drop or fail it, run it once that copy is done or its lease ran out.
         own = own or (holder is not None and holder.holder.task_id == request.id)
         strategy = "retry" if own else opts.on_conflict
-        if strategy == "existing":
-            strategy = "skip"  # a started task has nothing to point the caller at
+        if strategy in ("existing", "wait"):
+            # A started task has nothing to point the caller at; a wait that timed
+            # out gives up like "skip".
+            strategy = "skip"
         signals.lock_conflict.send(sender=self, key=key, holder=holder, action=strategy)
         described = common.describe_holder(holder)
         if strategy == "skip":
             log.warning(
-                "skipped %s[%s]: lock %r is held by %s", self.name, request.id, key, described
+                "skipped %s[%s]%s: lock %r is held by %s",
+                self.name,
+                request.id,
+                f" after waiting {waited:.1f}s" if waited is not None else "",
+                key,
+                described,
             )
             return skipped_result(
                 task=self.name, task_id=request.id, key=key, phase="run", holder=holder

@@ -90,7 +90,7 @@ def release_dead_run(
             own_row = info.holder.hostname == nodename and info.holder.pid == pid
             if not (own_row or claim is not None):
                 continue  # held by another delivery of the same task id
-            lease = common.lease_from_info(info)
+            lease = common.lease_from_info(info, task.taskguard_options.min_hold)
             released = common.release_quietly(guard, lease)
             count += int(released)
             log.warning(

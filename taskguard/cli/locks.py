@@ -74,9 +74,15 @@ def _die(exc: BaseException, url: str) -> NoReturn:
 def _guard(ctx: click.Context, database_url: str | None) -> Iterator[TaskGuard]:
     """A guard for the command's database; taskguard errors become one line + exit 2."""
     url = _url(ctx, database_url)
-    options = dict(setting(_celery_app(ctx), "taskguard_engine_options") or {})
+    app = _celery_app(ctx)
+    options = dict(setting(app, "taskguard_engine_options") or {})
     try:
-        guard = TaskGuard(url, **options)
+        guard = TaskGuard(
+            url,
+            history=bool(setting(app, "taskguard_history")),
+            history_retention=float(setting(app, "taskguard_history_retention")),
+            **options,
+        )
     except (TaskGuardError, ValueError) as exc:
         _die(exc, url)
     try:

@@ -166,3 +166,48 @@ def test_database_url_from_the_environment(monkeypatch: pytest.MonkeyPatch, pg_u
         assert job.delay().get() == "ok"
     finally:
         reset_guards()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"limit": 0}, r"tasks\.lim: limit must be an int from 1 to 1000, got 0"),
+        ({"limit": 1001}, "limit must be an int from 1 to 1000, got 1001"),
+        ({"limit": True}, "limit must be an int from 1 to 1000, got True"),
+        ({"limit": 2.0}, "limit must be an int from 1 to 1000, got 2.0"),
+        ({"min_hold": -1}, r"tasks\.lim: .*min_hold"),
+        ({"min_hold": "soon"}, "min_hold"),
+        ({"on_conflict": "wait", "wait_timeout": 0}, "wait_timeout"),
+        ({"wait_timeout": 5}, "wait_timeout applies to on_conflict='wait' only"),
+        ({"on_conflict": "wait", "lock": "queue"}, "on_conflict='wait'.*needs lock='run'"),
+        ({"on_conflict": "wait", "lock": "queue_and_run"}, "publishers never block"),
+    ],
+)
+def test_bad_limit_min_hold_and_wait_options(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+
+        @guarded_task(name="tasks.lim", **options)
+        def lim() -> None: ...
+
+
+def test_limit_min_hold_and_wait_options_are_kept(pg_url: str) -> None:
+    app = Celery("tg_opts", broker="memory://", set_as_current=False)
+    app.conf.taskguard_database_url = pg_url
+
+    @guarded_task(app=app, shared=False, limit=3, min_hold=2, on_conflict="wait", wait_timeout=9)
+    def job() -> None: ...
+
+    opts = job.taskguard_options
+    assert (opts.limit, opts.min_hold, opts.wait_timeout) == (3, 2.0, 9.0)
+    assert opts.acquire_options == {"limit": 3, "min_hold": 2.0}
+
+    @guarded_task(app=app, shared=False)
+    def plain() -> None: ...
+
+    assert plain.taskguard_options.acquire_options == {}
+
+    @app.task(base=GuardedTask, shared=False, taskguard_limit=0)
+    def via_base() -> None: ...
+
+    with pytest.raises(ConfigurationError, match="limit must be an int"):
+        via_base.taskguard_options  # noqa: B018

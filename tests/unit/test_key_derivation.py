@@ -355,7 +355,7 @@ def test_key_args_validation() -> None:
     ("options", "message"),
     [
         ({"lock": "always"}, "lock='always' is not one of"),
-        ({"on_conflict": "wait"}, "on_conflict='wait' is not one of"),
+        ({"on_conflict": "block"}, "on_conflict='block' is not one of"),
         ({"on_conflict": "existing"}, "needs lock='queue'"),
         ({"queue_ttl": 5}, "queue_ttl applies"),
         ({"retry_countdown": 5}, "retry_countdown applies"),

@@ -1,0 +1,261 @@
+"""Connection faults around COMMIT (issue #7, item 7).
+
+A loopback proxy we control (scripts/chaoslib/proxy.py) sits between the guard
+and the shared PostgreSQL server and cuts a chosen statement before the server
+sees it, after it committed, or after it committed with the server unreachable
+for the read-back. ``pg_terminate_backend`` kills a backend mid-statement. The
+client must never assume: it reports what the database says, or OutcomeUnknown.
+A guarded task whose lock cannot be established does not run (fail closed).
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from celery import Celery
+from sqlalchemy.engine import make_url
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+if str(SCRIPTS) not in sys.path:
+    sys.path.insert(0, str(SCRIPTS))
+
+from chaoslib.faults import MODES, OPS, fault_round  # noqa: E402
+from chaoslib.proxy import FaultProxy  # noqa: E402
+
+from taskguard import (  # noqa: E402
+    DatabaseUnavailable,
+    InvalidKey,
+    InvalidTTL,
+    OutcomeUnknown,
+    TaskGuard,
+    current_lease,
+    guarded_task,
+)
+from taskguard.config import reset_guards  # noqa: E402
+
+
+def _libpq(url: str) -> str:
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+@pytest.fixture
+def proxy(pg_url: str) -> Iterator[FaultProxy]:
+    port = make_url(pg_url).port or 5432
+    with FaultProxy(port) as p:
+        yield p
+
+
+@pytest.fixture
+def proxied_url(pg_url: str, proxy: FaultProxy) -> str:
+    return make_url(pg_url).set(port=proxy.port).render_as_string(hide_password=False)
+
+
+@pytest.fixture
+def proxied(proxied_url: str) -> Iterator[TaskGuard]:
+    g = TaskGuard(proxied_url)
+    g.db_now()  # one connection past start-up, so the first cut hits a statement
+    yield g
+    g.dispose()
+
+
+def _case(op: str, mode: str) -> Any:
+    return pytest.param(op, mode)
+
+
+@pytest.mark.parametrize(("op", "mode"), [_case(op, mode) for op in OPS for mode in MODES])
+def test_cut_connection_reports_true_outcome(
+    op: str, mode: str, proxied: TaskGuard, pg_guard: TaskGuard, proxy: FaultProxy
+) -> None:
+    outcome = fault_round(proxied, pg_guard, proxy, op, mode)
+    fired = proxy.fired["partition" if mode == "partition" else mode]
+    assert fired == 1, "the proxy did not cut the statement"
+    assert outcome.correct, outcome
+
+
+def test_terminated_backend_mid_acquire_is_read_back_then_retried(
+    pg_url: str, pg_guard: TaskGuard
+) -> None:
+    """pg_terminate_backend while the acquire waits on a row lock: the statement
+    never committed; the client reads back by owner, finds nothing, retries."""
+    old = pg_guard.acquire("term", 0.05)
+    assert old is not None
+    time.sleep(0.1)
+    blocker = psycopg.connect(_libpq(pg_url))
+    blocker.execute("SELECT 1 FROM task_locks WHERE key = 'term' FOR UPDATE")
+    victim = TaskGuard(pg_url)
+    result: dict[str, Any] = {}
+
+    def attempt() -> None:
+        try:
+            result["lease"] = victim.acquire("term", 30)
+        except Exception as exc:
+            result["error"] = exc
+
+    thread = threading.Thread(target=attempt)
+    thread.start()
+    try:
+        with psycopg.connect(_libpq(pg_url), autocommit=True) as admin:
+            pid = None
+            for _ in range(200):
+                row = admin.execute(
+                    "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND wait_event_type = 'Lock' AND query LIKE 'INSERT INTO task_locks%'"
+                ).fetchone()
+                if row:
+                    pid = row[0]
+                    break
+                time.sleep(0.02)
+            assert pid is not None, "the acquire never blocked on the row lock"
+            admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            time.sleep(0.2)
+    finally:
+        blocker.commit()
+        blocker.close()
+        thread.join(30)
+        victim.dispose()
+    lease = result.get("lease")
+    assert lease is not None, result
+    info = pg_guard.get("term")
+    assert info is not None and info.held
+    assert (info.owner, info.token) == (lease.owner, lease.token)
+    assert lease.token > old.token
+
+
+def test_stale_pool_after_server_drops_connections(pg_url: str, pg_guard: TaskGuard) -> None:
+    guard = TaskGuard(pg_url)
+    leases = []
+    barrier = threading.Barrier(6)
+
+    def take(i: int) -> None:
+        barrier.wait()
+        leases.append(guard.acquire(f"pool:{i}", 60))
+
+    threads = [threading.Thread(target=take, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert guard.engine.pool.checkedin() >= 3  # type: ignore[attr-defined]
+    with psycopg.connect(_libpq(pg_url), autocommit=True) as admin:
+        admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+    try:
+        results = [guard.release(lease) for lease in leases if lease is not None]
+    finally:
+        guard.dispose()
+    assert results == [True] * 6
+
+
+def test_failed_retry_after_read_back_is_reported_as_unknown(
+    proxied: TaskGuard, pg_guard: TaskGuard, proxy: FaultProxy
+) -> None:
+    proxy.arm("before", b"tn-retry-cut")
+    proxy.arm("after", b"tn-retry-cut")
+    try:
+        lease = proxied.acquire("retry-cut", 30, task_name="tn-retry-cut")
+    except OutcomeUnknown as exc:
+        info = pg_guard.get("retry-cut")
+        assert info is not None and info.owner == exc.owner
+        return
+    except DatabaseUnavailable:
+        info = pg_guard.get("retry-cut")
+        # Plain "unavailable" is only truthful if nothing was granted.
+        assert info is None or not info.held
+        return
+    info = pg_guard.get("retry-cut")
+    assert info is not None and lease is not None and info.owner == lease.owner
+
+
+# -- @guarded_task fails closed ----------------------------------------------------------
+
+
+@pytest.fixture
+def app(proxied_url: str) -> Iterator[Celery]:
+    app = Celery("tg_faults", broker="memory://", backend="cache+memory://", set_as_current=False)
+    app.conf.update(
+        task_always_eager=True, task_eager_propagates=False, taskguard_database_url=proxied_url
+    )
+    yield app
+    reset_guards()
+
+
+def _task(app: Celery, ran: list[Any]) -> Any:
+    @guarded_task(app=app, key="feed:{feed}", ttl=30, name="faults.fetch")
+    def fetch(feed: str) -> str:
+        lease = current_lease()
+        ran.append(lease)
+        return "ran"
+
+    return fetch
+
+
+def test_guarded_task_does_not_run_when_lock_db_unreachable(
+    app: Celery, proxy: FaultProxy, pg_guard: TaskGuard
+) -> None:
+    ran: list[Any] = []
+    fetch = _task(app, ran)
+    proxy.refuse = True
+    proxy.cut_all()
+    result = fetch.apply(args=("a",))
+    assert ran == []
+    assert result.failed()
+    assert isinstance(result.result, DatabaseUnavailable)
+    assert str(proxy.port) in str(result.result)  # names the database it could not reach
+    assert pg_guard.get("feed:a") is None
+
+
+def test_guarded_task_does_not_run_when_acquire_outcome_unknown(
+    app: Celery, proxy: FaultProxy, pg_guard: TaskGuard
+) -> None:
+    ran: list[Any] = []
+    fetch = _task(app, ran)
+    proxy.arm("partition", b"feed:b")
+    result = fetch.apply(args=("b",))
+    assert ran == []
+    assert result.failed() and isinstance(result.result, OutcomeUnknown)
+    message = str(result.result)
+    assert "feed:b" in message and "could not be read back" in message
+    # The grant did commit: the client never assumed either way, and says which
+    # owner may hold the key.
+    info = pg_guard.get("feed:b")
+    assert info is not None and info.owner in message
+
+
+def test_outcome_unknown_keeps_its_type_through_celery(app: Celery, proxy: FaultProxy) -> None:
+    for exc in (
+        OutcomeUnknown("m", "k", "o", "u"),
+        InvalidKey("m", "k"),
+        InvalidTTL("m", -1),
+    ):
+        back = pickle.loads(pickle.dumps(exc))
+        assert type(back) is type(exc) and vars(back) == vars(exc)
+    fetch = _task(app, [])
+    proxy.arm("partition", b"feed:d")
+    result = fetch.apply(args=("d",))
+    assert isinstance(result.result, OutcomeUnknown) and result.result.key == "feed:d"
+
+
+@pytest.mark.parametrize("mode", ["before", "after"])
+def test_guarded_task_runs_once_with_its_lock_after_a_cut(
+    mode: str, app: Celery, proxy: FaultProxy, pg_guard: TaskGuard
+) -> None:
+    ran: list[Any] = []
+    fetch = _task(app, ran)
+    proxy.arm(mode, b"feed:c")
+    result = fetch.apply(args=("c",))
+    assert result.successful() and result.result == "ran"
+    assert proxy.fired[mode] == 1
+    assert len(ran) == 1 and ran[0] is not None
+    info = pg_guard.get("feed:c")
+    # The body ran under the lease the database granted, released on the way out.
+    assert info is not None and info.owner == ran[0].owner and not info.held
