@@ -11,6 +11,7 @@ import contextlib
 import os
 import sqlite3
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -92,9 +93,21 @@ def create_lock_engine(url: str | URL, *, durable: bool = True, **kwargs: Any) -
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+            # WAL persists in the file, so only the first connection ever switches. The
+            # switch needs an exclusive lock and ignores the busy timeout: processes
+            # opening a freshly migrated file together must take turns, not fail.
             cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA journal_mode=WAL")
-            cur.close()
+            try:
+                deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT
+                while cur.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                    try:
+                        cur.execute("PRAGMA journal_mode=WAL")
+                    except sqlite3.OperationalError:
+                        if time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.01)
+            finally:
+                cur.close()
 
     return engine
 
