@@ -140,11 +140,16 @@ class _Contender:
             self.rec.add("R", lease.owner, None, live_at, None)
             raise
         exact = None
-        if ok:
-            for info in self.guard.get_all(lease.key):
-                if info.owner == lease.owner and info.slot == lease.slot:
-                    exact = us(info.expires_at)
-        self.rec.add("R", lease.owner, ok, live_at, exact)
+        try:
+            if ok:
+                for info in self.guard.get_all(lease.key):
+                    if info.owner == lease.owner and info.slot == lease.slot:
+                        exact = us(info.expires_at)
+        finally:
+            # Recorded even when the read-back fails (a crash right after the release):
+            # a release missing from the history would make the checker believe the
+            # lease lived on to its expiry and report a takeover as an overlap.
+            self.rec.add("R", lease.owner, ok, live_at, exact)
 
 
 def contend(plan: Plan, worker: int, outdir: Path, stop: Any) -> None:
