@@ -6,8 +6,10 @@ fork, so prefork children never share a socket with the parent.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+import weakref
 from typing import Any
 
 from taskguard.exceptions import ConfigurationError
@@ -42,6 +44,10 @@ DEFAULTS: dict[str, Any] = {
 
 _guards: dict[tuple[str, bool, bool, float], TaskGuard] = {}
 _guards_lock = threading.Lock()
+# The guard each app resolved to. Reading four settings through Celery's layered
+# conf on every task run cost more CPU than the lock statements' own Python work;
+# reset_guards() empties this, so changed settings are read again.
+_by_app: weakref.WeakKeyDictionary[Any, TaskGuard] = weakref.WeakKeyDictionary()
 
 
 def setting(app: Any, name: str) -> Any:
@@ -66,7 +72,23 @@ def database_url(app: Any = None) -> str:
 
 
 def guard_for(app: Any = None) -> TaskGuard:
-    """The process-wide :class:`TaskGuard` for ``app``'s configuration."""
+    """The process-wide :class:`TaskGuard` for ``app``'s configuration.
+
+    An app's settings are read on its first use in a process; call
+    :func:`reset_guards` after changing them."""
+    if app is not None:
+        try:
+            return _by_app[app]
+        except (KeyError, TypeError):
+            pass
+    guard = _resolve(app)
+    if app is not None:
+        with contextlib.suppress(TypeError):  # not weak-referenceable: resolve each time
+            _by_app[app] = guard
+    return guard
+
+
+def _resolve(app: Any) -> TaskGuard:
     url = database_url(app)
     durable = bool(setting(app, "taskguard_durable"))
     history = bool(setting(app, "taskguard_history"))
@@ -89,6 +111,7 @@ def guard_for(app: Any = None) -> TaskGuard:
 def reset_guards() -> None:
     """Dispose every cached guard (tests, or after changing settings)."""
     with _guards_lock:
+        _by_app.clear()
         for guard in _guards.values():
             guard.dispose()
         _guards.clear()

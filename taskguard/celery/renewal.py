@@ -1,9 +1,11 @@
 """Keeping a running task's lease alive, and telling the task when it is lost.
 
-While a guarded body runs, a small daemon thread renews the lease every ttl/3.
-The thread holds the guard, the lease and a weak reference to the task (only to
-name it as signal sender): it never keeps the task object alive, and it is
-stopped and joined before the lease is released, so it does not outlive the run.
+While a guarded body runs, its lease is renewed every ttl/3 by one daemon thread
+the process shares among all its runs. A heartbeat holds the guard, the lease and
+a weak reference to the task (only to name it as signal sender): it never keeps
+the task object alive, and it is stopped (waiting for a renewal in flight) before
+the lease is released, so no renewal outlives the run. The thread itself exits
+once it has had nothing to renew for a couple of seconds.
 
 A renewal that returns ``False`` means the row was taken over, force-released or
 had expired: the lease is *lost*. A renewal that cannot reach the database is
@@ -15,7 +17,10 @@ and visible to the body through :func:`current_lease` / :func:`check_lease`.
 from __future__ import annotations
 
 import contextvars
+import heapq
+import itertools
 import logging
+import os
 import threading
 import time
 import weakref
@@ -32,8 +37,10 @@ log = logging.getLogger("taskguard.celery")
 
 #: Renew no more often than this (seconds), whatever the ttl.
 MIN_INTERVAL = 0.05
-#: How long stop() waits for an in-flight renewal before giving up on joining.
+#: How long stop() waits for an in-flight renewal before giving up on it.
 JOIN_TIMEOUT = 5.0
+#: The shared renewer thread exits after this many seconds with nothing to renew.
+IDLE_EXIT = 2.0
 
 
 class ActiveRun:
@@ -124,7 +131,20 @@ def check_lease(*, verify: bool = False) -> Lease:
 
 
 class Heartbeat:
-    """Renews ``run.lease`` every ttl/3 on a daemon thread until :meth:`stop`."""
+    """Renews ``run.lease`` every ttl/3 until :meth:`stop`, on the process's
+    shared renewer thread (see :class:`_Renewer`)."""
+
+    __slots__ = (
+        "_deadline",
+        "_guard",
+        "_in_flight",
+        "_interval",
+        "_lease",
+        "_run_ref",
+        "_stopped",
+        "_task_id",
+        "_task_ref",
+    )
 
     def __init__(self, run: ActiveRun, task: Any, task_id: str | None) -> None:
         assert run.lease is not None
@@ -134,62 +154,55 @@ class Heartbeat:
         self._task_ref = weakref.ref(task) if task is not None else None
         self._task_id = task_id
         self._interval = max(run.lease.ttl / 3.0, MIN_INTERVAL)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._loop,
-            name=f"taskguard-renew[{run.key[:60]}]",
-            daemon=True,
-        )
+        # Local estimate of the lease's end; only used while the database is unreachable.
+        self._deadline = time.monotonic() + run.lease.ttl
+        #: Both guarded by the renewer's condition.
+        self._stopped = False
+        self._in_flight = False
 
     def start(self) -> Heartbeat:
-        self._thread.start()
+        _renewer().schedule(self, self._interval)
         return self
 
     def stop(self) -> None:
-        """Stop renewing and wait for an in-flight renewal to finish."""
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(JOIN_TIMEOUT)
-            if self._thread.is_alive():
-                log.warning(
-                    "renewal of %r still in flight after %.0fs; releasing anyway",
-                    self._lease.key,
-                    JOIN_TIMEOUT,
-                )
+        """Stop renewing and wait for an in-flight renewal of this lease to finish,
+        so the caller's release comes after it."""
+        if not _renewer().cancel(self, JOIN_TIMEOUT):
+            log.warning(
+                "renewal of %r still in flight after %.0fs; releasing anyway",
+                self._lease.key,
+                JOIN_TIMEOUT,
+            )
 
-    def _loop(self) -> None:
+    def beat(self) -> float | None:
+        """One renewal (on the renewer thread): seconds until the next, or None to stop."""
         lease = self._lease
-        # Local estimate of the lease's end; only used while the database is unreachable.
-        deadline = time.monotonic() + lease.ttl
-        wait = self._interval
-        while not self._stop.wait(wait):
-            sent = time.monotonic()
-            try:
-                ok = self._guard.renew(lease)
-            except Exception as exc:  # any failure: we cannot know we still hold it
-                if self._stop.is_set():
-                    return
-                margin = 0.1 * lease.ttl
-                if time.monotonic() >= deadline - margin:
-                    self._lose(f"renewal failed until the lease ran out ({exc})")
-                    return
-                log.warning(
-                    "could not renew lock %r (owner %s): %s; retrying while it lasts",
-                    lease.key,
-                    lease.owner,
-                    exc,
-                )
-                wait = max(MIN_INTERVAL, min(self._interval, (deadline - margin - sent) / 2))
-                continue
-            run = self._run_ref()
-            if self._stop.is_set() or (run is not None and run.handed_over):
-                return  # released, or handed to a retry that may already have ended it
-            if not ok:
-                self._lose("expired or taken over before it could be renewed")
-                return
-            deadline = sent + lease.ttl
-            wait = self._interval
-            self._renew_extra()
+        sent = time.monotonic()
+        try:
+            ok = self._guard.renew(lease)
+        except Exception as exc:  # any failure: we cannot know we still hold it
+            if self._stopped:
+                return None
+            margin = 0.1 * lease.ttl
+            if time.monotonic() >= self._deadline - margin:
+                self._lose(f"renewal failed until the lease ran out ({exc})")
+                return None
+            log.warning(
+                "could not renew lock %r (owner %s): %s; retrying while it lasts",
+                lease.key,
+                lease.owner,
+                exc,
+            )
+            return max(MIN_INTERVAL, min(self._interval, (self._deadline - margin - sent) / 2))
+        run = self._run_ref()
+        if self._stopped or (run is not None and run.handed_over):
+            return None  # released, or handed to a retry that may already have ended it
+        if not ok:
+            self._lose("expired or taken over before it could be renewed")
+            return None
+        self._deadline = sent + lease.ttl
+        self._renew_extra()
+        return self._interval
 
     def _renew_extra(self) -> None:
         # The hand-off claim (read from the run each time: a retry may have let it go).
@@ -201,7 +214,7 @@ class Heartbeat:
             ok, why = self._guard.renew(claim), "expired or taken over"
         except Exception as exc:
             ok, why = False, str(exc)
-        if not ok and not self._stop.is_set() and run is not None and run.claim is claim:
+        if not ok and not self._stopped and run is not None and run.claim is claim:
             log.warning("could not renew companion lock %r: %s", claim.key, why)
             run.claim = None
 
@@ -222,3 +235,126 @@ class Heartbeat:
         )
         sender = self._task_ref() if self._task_ref is not None else None
         signals.lease_lost.send(sender=sender, key=lease.key, lease=lease, reason=reason)
+
+
+class _Renewer:
+    """One daemon thread per process that runs every live :class:`Heartbeat` when
+    it is due.
+
+    A thread per guarded run cost more CPU than the two lock statements together
+    (start + join on every task; docs/benchmarks.md). The shared thread keeps a
+    heap of due times; stopping a heartbeat only marks it (a stopped entry is
+    skipped when it comes up, and the heap is compacted once stopped entries
+    outnumber live ones). The thread exits after :data:`IDLE_EXIT` seconds with
+    nothing to renew, so an idle process keeps no renewer around. Renewals run
+    one at a time: they all go to the same database, so a stall there delays
+    them all alike, and each heartbeat still judges its lease by its own deadline.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Start over empty, with no thread (used in a forked child)."""
+        self._cond = threading.Condition(threading.Lock())
+        self._heap: list[tuple[float, int, Heartbeat]] = []
+        self._seq = itertools.count()
+        self._live = 0
+        self._thread: threading.Thread | None = None
+
+    def schedule(self, beat: Heartbeat, delay: float) -> None:
+        due = time.monotonic() + delay
+        with self._cond:
+            earliest = self._heap[0][0] if self._heap else None
+            heapq.heappush(self._heap, (due, next(self._seq), beat))
+            self._live += 1
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._loop, name="taskguard-renewer", daemon=True
+                )
+                self._thread.start()
+            elif earliest is None or due < earliest:
+                self._cond.notify()  # the thread sleeps until a later time
+
+    def cancel(self, beat: Heartbeat, timeout: float) -> bool:
+        """Stop ``beat``; wait (up to ``timeout``) for its renewal in flight.
+        False if it was still in flight when the wait ended."""
+        with self._cond:
+            if not beat._stopped:
+                beat._stopped = True
+                self._drop_one()
+            if beat._in_flight and threading.current_thread() is not self._thread:
+                self._cond.wait_for(lambda: not beat._in_flight, timeout)
+            return not beat._in_flight or threading.current_thread() is self._thread
+
+    def scheduled(self) -> int:
+        """How many heartbeats are live (for tests and diagnostics)."""
+        with self._cond:
+            return self._live
+
+    def _drop_one(self) -> None:
+        # Caller holds the condition and has just marked one heartbeat stopped; its
+        # entry (unless in flight) stays in the heap until popped or compacted.
+        self._live -= 1
+        if len(self._heap) > 32 and self._live < len(self._heap) // 2:
+            self._heap = [entry for entry in self._heap if not entry[2]._stopped]
+            heapq.heapify(self._heap)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                beat = self._next_due()
+                if beat is None:
+                    return
+                beat._in_flight = True
+            try:
+                delay = beat.beat()
+            except Exception:  # a bug must not end every other lease's renewals
+                log.exception("renewal of %r failed unexpectedly", beat._lease.key)
+                delay = None
+            with self._cond:
+                beat._in_flight = False
+                if not beat._stopped:
+                    if delay is None:
+                        beat._stopped = True
+                        self._drop_one()
+                    else:
+                        due = time.monotonic() + delay
+                        heapq.heappush(self._heap, (due, next(self._seq), beat))
+                self._cond.notify_all()  # a stop() may be waiting for this renewal
+
+    def _next_due(self) -> Heartbeat | None:
+        """Wait (holding the condition) for the next live heartbeat to fall due;
+        None when idle long enough to exit."""
+        idle_since: float | None = None
+        while True:
+            while self._heap and self._heap[0][2]._stopped:
+                heapq.heappop(self._heap)
+            now = time.monotonic()
+            if not self._heap:
+                idle_since = idle_since if idle_since is not None else now
+                if now - idle_since >= IDLE_EXIT:
+                    self._thread = None
+                    return None
+                self._cond.wait(IDLE_EXIT - (now - idle_since))
+                continue
+            idle_since = None
+            due, _, beat = self._heap[0]
+            if due <= now:
+                heapq.heappop(self._heap)
+                return beat
+            self._cond.wait(due - now)
+
+
+#: The process's renewer. Its thread starts with the first heartbeat.
+_RENEWER = _Renewer()
+
+
+def _renewer() -> _Renewer:
+    return _RENEWER
+
+
+if hasattr(os, "register_at_fork"):
+    # The thread did not survive the fork and its lock may have been held: a child
+    # (a prefork pool process) starts over with an empty renewer of its own.
+    os.register_at_fork(after_in_child=_RENEWER.reset)

@@ -5,7 +5,6 @@ retries keeping the lease, renewal and lost leases. Real PostgreSQL, no mocks.""
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -25,6 +24,7 @@ from taskguard import (
     is_skipped,
     signals,
 )
+from taskguard.celery import renewal
 from taskguard.config import reset_guards
 
 
@@ -284,7 +284,7 @@ def test_heartbeat_renews_past_the_ttl_and_stops(app: Celery, guard: TaskGuard) 
     result = slow.delay()
     assert result.state == "SUCCESS", result.result
     assert expiries == sorted(expiries) and len(set(expiries)) > 1
-    assert not [t for t in threading.enumerate() if t.name.startswith("taskguard-renew")]
+    assert renewal._renewer().scheduled() == 0  # nothing renews after the run
 
 
 def test_lost_lease_is_reported_to_the_task(

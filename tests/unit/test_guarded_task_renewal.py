@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 
 from taskguard import LeaseLost, TaskGuard, signals
+from taskguard.celery import renewal
 from taskguard.celery.renewal import ActiveRun, Heartbeat, current_lease, enter_run, exit_run
 
 UNREACHABLE = "postgresql+psycopg://postgres@127.0.0.1:1/nowhere?connect_timeout=1"
@@ -42,7 +44,7 @@ def test_heartbeat_renews_until_stopped(pg_guard: TaskGuard) -> None:
         assert lease.expires_at > first_expiry and run.lost is None
     finally:
         beat.stop()
-    assert not beat._thread.is_alive()
+    assert renewal._renewer().scheduled() == 0
     time.sleep(1.2)
     info = pg_guard.get("k")
     assert info is not None and not info.held  # nobody renews after stop()
@@ -108,3 +110,44 @@ def test_heartbeat_does_not_keep_the_task_alive(pg_guard: TaskGuard) -> None:
         assert ref() is None
     finally:
         beat.stop()
+
+
+def _renewer_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "taskguard-renewer"]
+
+
+def test_one_renewer_thread_serves_every_run_and_exits_when_idle(pg_guard: TaskGuard) -> None:
+    leases = [pg_guard.acquire(f"k{i}", 0.6) for i in range(3)]
+    assert all(lease is not None for lease in leases)
+    first = [lease.expires_at for lease in leases if lease is not None]
+    beats = [
+        Heartbeat(ActiveRun(pg_guard, lease.key, lease, request=None), None, "tid").start()
+        for lease in leases
+        if lease is not None
+    ]
+    try:
+        time.sleep(0.9)  # past the first ttl: only renewals keep them
+        assert len(_renewer_threads()) == 1
+        assert renewal._renewer().scheduled() == 3
+        for lease, before in zip(leases, first, strict=True):
+            assert lease is not None and lease.expires_at > before
+            info = pg_guard.get(lease.key)
+            assert info is not None and info.held
+    finally:
+        for beat in beats:
+            beat.stop()
+    assert renewal._renewer().scheduled() == 0
+    deadline = time.monotonic() + renewal.IDLE_EXIT + 2
+    while _renewer_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _renewer_threads()
+
+
+def test_stopped_heartbeats_do_not_pile_up(pg_guard: TaskGuard) -> None:
+    lease = pg_guard.acquire("k", 300)
+    assert lease is not None
+    run = ActiveRun(pg_guard, "k", lease, request=None)
+    for _ in range(500):  # a short task each, far quicker than its ttl/3
+        Heartbeat(run, None, "tid").start().stop()
+    assert renewal._renewer().scheduled() == 0
+    assert len(renewal._renewer()._heap) <= 64
