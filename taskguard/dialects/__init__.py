@@ -150,6 +150,7 @@ def _build(
     to_datetime: Callable[[Any], datetime],
     seconds_param: Callable[[float], Any],
     ts_param: Callable[[datetime], Any],
+    relax_commit: ColumnElement[bool] | None = None,
 ) -> LockSQL:
     now = fl.now
     ins = insert_fn(_t).values(
@@ -192,10 +193,15 @@ def _build(
         _t.c.expires_at > now,
     )
     lease_cols = (_t.c.token, _t.c.acquired_at, _t.c.expires_at)
-    release = update(_t).where(mine).values(expires_at=now)
+    # Releases only end a lease: one lost in a database crash keeps the key taken
+    # until its expiry, never lets two hold it. So (PostgreSQL) they commit without
+    # waiting for the WAL flush; a later durable commit flushes them anyway. Grants
+    # and renewals always wait (they must survive a crash).
+    quick = [relax_commit] if relax_commit is not None else []
+    release = update(_t).where(mine, *quick).values(expires_at=now)
     renew = update(_t).where(mine).values(expires_at=fl.plus("ttl")).returning(*lease_cols)
     held_until = fl.add(_t.c.acquired_at, "hold")
-    release_hold = update(_t).where(mine).values(expires_at=fl.greatest(now, held_until))
+    release_hold = update(_t).where(mine, *quick).values(expires_at=fl.greatest(now, held_until))
     renew_hold = (
         update(_t)
         .where(mine)
@@ -316,6 +322,11 @@ def _postgresql(dialect: Dialect) -> LockSQL:
         to_datetime=pg_datetime,
         seconds_param=pg_seconds,
         ts_param=lambda dt: dt,
+        # An uncorrelated subquery: evaluated once, before the row is touched, and
+        # local to the statement's own (autocommit) transaction.
+        relax_commit=select(func.set_config("synchronous_commit", "off", True))
+        .scalar_subquery()
+        .is_not(None),
     )
 
 
