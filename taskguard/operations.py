@@ -10,6 +10,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from taskguard import history as _history
+from taskguard.dialects._history import PG_REAP_START
 from taskguard.exceptions import InvalidKey
 from taskguard.keys import normalize_key, validate_ttl
 from taskguard.lease import Holder, Lease, LockInfo
@@ -172,20 +173,21 @@ class GuardOperations:
         sqlite = self.dialect_name == "sqlite"
         stmt = self._sql.reap_batch_history if self.history else self._sql.reap_batch
         removed = batches = 0
-        after_key, after_slot = "", -1
+        # Where the next batch starts: SQLite walks the primary key, PostgreSQL the
+        # heap (a ctid), see taskguard.dialects._history.
+        after: dict[str, Any] = (
+            {"after_key": "", "after_slot": -1} if sqlite else {"after": PG_REAP_START}
+        )
         grace_param = self._sql.seconds_param(-grace_s) if sqlite else grace_s
         while max_batches is None or batches < max_batches:
-            values = {
-                "after_key": after_key,
-                "after_slot": after_slot,
-                "grace": grace_param,
-                "batch_size": batch_size,
-            }
+            values = {**after, "grace": grace_param, "batch_size": batch_size}
             rows, _ = self._db.run(stmt, values)
             batches += 1
             if sqlite:
-                deleted, scanned = len(rows), len(rows)
-                last = max((r[0], r[1]) for r in rows) if rows else None
+                deleted = scanned = len(rows)
+                if rows:
+                    last_key, last_slot = max((r[0], r[1]) for r in rows)
+                    after = {"after_key": str(last_key), "after_slot": int(last_slot)}
                 if rows and self.history and self._sql.reaped_events is not None:
                     _history.guarded(
                         self._db.run,
@@ -193,14 +195,14 @@ class GuardOperations:
                         {"rows": json.dumps([list(r) for r in rows])},
                     )
             else:
-                deleted, scanned, last_key, last_slot = rows[0]
-                last = (last_key, last_slot) if last_key is not None else None
+                deleted, scanned, last = rows[0]
+                if last is not None:
+                    after = {"after": str(last)}
             removed += int(deleted)
             if progress is not None:
                 progress(removed)
-            if last is None or int(scanned) < batch_size:
+            if int(scanned) < batch_size:
                 break
-            after_key, after_slot = str(last[0]), int(last[1])
         if removed:
             log.info("reaped %d expired lock row(s) in %d batch(es)", removed, batches)
         if self.history:

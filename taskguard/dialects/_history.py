@@ -21,41 +21,51 @@ from sqlalchemy.sql import func
 
 from taskguard.dialects._parts import EV, HOLDER_COLS, SQLITE_FMT, Flavor, Statement, compile_for
 
-__all__ = ["HistorySQL", "history_statements"]
+__all__ = ["PG_REAP_START", "HistorySQL", "history_statements"]
 
 _EVENT_COLS = ("at", "key", "slot", "event", "owner", "token", "duration", *HOLDER_COLS, "detail")
 #: Events that end a grant: after one of them a takeover is not "taken_over".
 _ENDINGS = ("released", "lost", "force_released", "reaped", "taken_over")
 
-# Reaping: delete rows whose lease ended more than `grace` ago, walking the primary
-# key in batches (keyset pagination, so each batch reads only its own range) and
-# re-checking expiry in the DELETE itself. Returns (deleted, scanned, last_key,
-# last_slot); last_key is NULL when nothing was left to scan.
+# Reaping: delete rows whose lease ended more than `grace` ago, in batches, re-checking
+# expiry in the DELETE itself. Returns (deleted, scanned, cursor); cursor is NULL when
+# nothing was left to scan, else what the next batch passes as :after.
+#
+# PostgreSQL walks the heap in physical order from the cursor (a ctid: TID Range Scan,
+# PostgreSQL 14+), locks up to :batch_size expired rows FOR UPDATE SKIP LOCKED (rows an
+# acquirer or another reaper holds are skipped), and deletes exactly those row versions
+# by ctid (one Tid Scan over the sorted array, no index lookups). A locked row cannot
+# move or change before the transaction ends, so its ctid is stable; a row a takeover
+# made live between snapshot and lock fails the re-check in LockRows and again in the
+# DELETE. The ctid cursor is only a position: a row that moved behind it waits for the
+# next run.
 _PG_REAP = """
 WITH batch AS (
-    SELECT key, slot FROM task_locks
-    WHERE (key, slot) > (:after_key, :after_slot)
-      AND expires_at <= statement_timestamp() - :grace * interval '1 second'
-    ORDER BY key, slot
-    LIMIT :batch_size
-    FOR UPDATE SKIP LOCKED
+    SELECT array_agg(ctid) AS ids, count(*) AS scanned, max(ctid) AS last
+    FROM (
+        SELECT ctid FROM task_locks
+        WHERE ctid > CAST(:after AS tid)
+          AND expires_at <= statement_timestamp() - :grace * interval '1 second'
+        LIMIT :batch_size
+        FOR UPDATE SKIP LOCKED
+    ) AS locked
 ), gone AS (
-    DELETE FROM task_locks AS t USING batch AS b
-    WHERE t.key = b.key AND t.slot = b.slot
+    DELETE FROM task_locks AS t
+    WHERE t.ctid = ANY(CAST((SELECT ids FROM batch) AS tid[]))
       AND t.expires_at <= statement_timestamp() - :grace * interval '1 second'
     RETURNING t.key, t.slot, t.owner, t.token
 ){events}
-SELECT (SELECT count(*) FROM gone),
-       (SELECT count(*) FROM batch),
-       (SELECT key FROM batch ORDER BY key DESC, slot DESC LIMIT 1),
-       (SELECT slot FROM batch ORDER BY key DESC, slot DESC LIMIT 1)
+SELECT (SELECT count(*) FROM gone), scanned, CAST(last AS text) FROM batch
 """
+#: Where the first PostgreSQL reap batch starts (item numbers begin at 1).
+PG_REAP_START = "(0,0)"
 _PG_REAP_EVENTS = """, events AS (
     INSERT INTO task_lock_events (at, key, slot, event, owner, token)
     SELECT statement_timestamp(), key, slot, 'reaped', owner, token FROM gone
 )"""
 
 # SQLite runs one writer at a time, so select-then-delete in one statement is atomic.
+# It walks the primary key (keyset pagination: each batch reads only its own range).
 _SQLITE_REAP = f"""
 DELETE FROM task_locks
 WHERE rowid IN (
