@@ -37,10 +37,20 @@ __all__ = ["Executor", "mask_url", "translate_error"]
 SQLITE_BUSY_TIMEOUT = 30.0
 
 
+#: Query parameters that carry a secret (libpq and psycopg accept the password there too).
+_SECRET_PARAMS = frozenset({"password", "passwd", "pass", "sslpassword", "sslkey_password"})
+
+
 def mask_url(url: str | URL) -> str:
-    """The URL with its password replaced by ``***`` (safe for logs and errors)."""
+    """The URL with its password (in the userinfo or as a query parameter) replaced
+    by ``***``: safe for logs and errors."""
     try:
-        return make_url(url).render_as_string(hide_password=True)
+        parsed = make_url(url)
+        secret = {k: "***" for k in parsed.query if k.lower() in _SECRET_PARAMS}
+        if secret:
+            parsed = parsed.update_query_dict(secret)
+        # The renderer percent-encodes query values; show the mask as in the userinfo.
+        return parsed.render_as_string(hide_password=True).replace("=%2A%2A%2A", "=***")
     except Exception:
         return "<unparseable database URL>"
 

@@ -17,10 +17,13 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import AMQP_URL
+from conftest import AMQP_URL, REDIS_URL
 from sqlalchemy import create_engine, text
 
 from taskguard.demo.record import max_concurrency
+
+# A Redis database of its own: nothing another test left queued can reach the demo.
+REDIS_BROKER_URL = REDIS_URL.rsplit("/", 1)[0] + "/13"
 
 REPO = Path(__file__).resolve().parents[2]
 FEED_PREFIX = "https://example.com/feeds/"
@@ -193,15 +196,15 @@ def test_unguarded_demo_sees_overlaps_and_fails(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.celery
 @pytest.mark.postgres
-def test_demo_on_postgresql_and_rabbitmq(pg_url: str, tmp_path: Path) -> None:
-    """The same demo on the production pieces (Redis works the same way: --broker
-    redis://…; checked by hand, kept out of CI for time)."""
+@pytest.mark.parametrize("broker", [AMQP_URL, REDIS_BROKER_URL], ids=["rabbitmq", "redis"])
+def test_demo_on_postgresql_and_a_broker(pg_url: str, broker: str, tmp_path: Path) -> None:
+    """The same demo on the production pieces: PostgreSQL and RabbitMQ or Redis."""
     run, _ = _demo(
         [
             "--database-url",
             pg_url,
             "--broker",
-            AMQP_URL,
+            broker,
             "--waves",
             "1",
             "--workdir",
