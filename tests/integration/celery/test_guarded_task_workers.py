@@ -206,6 +206,21 @@ def test_a_retried_task_keeps_its_lock_across_retries(env: Env) -> None:
     assert_no_overlap(runs(env.db_url, kid))
 
 
+def test_retry_on_conflict_runs_once_the_holder_finished(env: Env) -> None:
+    kid = key_id(env, "patient")
+    first = env.task("tg.slow").delay(kid, 1.5)
+    wait_for(started(env, kid), 30, "the holder to start")
+    patient = env.task("tg.patient").delay(kid)
+    assert not is_skipped(patient.get(timeout=RESULT_TIMEOUT))  # deferred, never dropped
+    first.get(timeout=RESULT_TIMEOUT)
+    found = runs(env.db_url, kid)
+    assert [r.task_id for r in found] == [first.id, patient.id]  # ran once, after the holder
+    assert_no_overlap(found)
+    assert found[1].retries >= 1  # it was re-scheduled, counted as a retry
+    log = env.worker.log_text()
+    assert f"retrying tg.patient[{patient.id}]" in log and "retry 1" in log
+
+
 def test_redelivery_of_the_same_task_id_waits_for_the_first_copy(env: Env) -> None:
     kid = key_id(env, "redeliver")
     task_id = uuid.uuid4().hex

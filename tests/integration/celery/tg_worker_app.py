@@ -123,6 +123,20 @@ def make_app(broker_url: str, result_backend: str | None, queue: str, database_u
         return token
 
     @guarded_task(
+        app=app,
+        shared=False,
+        name="tg.patient",
+        key="slow:{key_id}",  # tg.slow's key: the two conflict
+        ttl=3,
+        on_conflict="retry",
+        retry_countdown=0.3,
+        max_retries=30,
+        bind=True,
+    )
+    def patient(self: Any, key_id: str) -> int:
+        return record(self, key_id, 0.0)
+
+    @guarded_task(
         app=app, shared=False, name="tg.sleeper", key="sleeper:{key_id}", ttl=30, bind=True
     )
     def sleeper(self: Any, key_id: str, duration: float) -> int:
