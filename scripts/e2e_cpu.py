@@ -1,0 +1,164 @@
+#!/usr/bin/env python3
+"""Where the CPU of a guarded task goes: the end-to-end benchmark's trivial tasks
+through a real prefork worker (``-c 1``), with the CPU time of every process
+involved read from /proc before and after each batch.
+
+    python scripts/e2e_cpu.py [--tasks 2000] [--rounds 2] [--relaxed]
+
+Needs the local PostgreSQL, Redis and RabbitMQ, like ``scripts/bench.py``; makes a
+scratch database (dropped at the end) and a queue and Redis keys of its own.
+Prints CPU microseconds per task for the publisher (this process), the worker's
+main process, its pool child, all PostgreSQL processes, RabbitMQ and Redis: the
+difference between the plain and the guarded task is what the lock costs and who
+pays it (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psycopg
+import redis
+
+from taskguard import schema
+
+SCRIPTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(SCRIPTS))
+
+from benchlib.common import libpq_url  # noqa: E402  (scripts/ is on the path only now)
+
+PG_URL = os.environ.get(
+    "TASKGUARD_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+)
+HZ = os.sysconf("SC_CLK_TCK")
+
+
+def _ticks(pid: int) -> int:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def _kind(pid: int, worker_pid: int) -> str | None:
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return None
+    if "postgres" in cmd:
+        return "postgres"
+    if "beam" in cmd:
+        return "rabbitmq"
+    if "redis-server" in cmd:
+        return "redis"
+    if "celery" in cmd and "e2e_app" in cmd:
+        return "worker main" if pid == worker_pid else "worker child"
+    return None
+
+
+def _snapshot(worker_pid: int) -> dict[tuple[int, str], int]:
+    out = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            kind = _kind(int(name), worker_pid)
+            if kind is not None:
+                out[(int(name), kind)] = _ticks(int(name))
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tasks", type=int, default=2000, help="tasks per batch")
+    p.add_argument("--rounds", type=int, default=2, help="batches per variant, alternating")
+    p.add_argument("--relaxed", action="store_true", help="taskguard_durable=False")
+    args = p.parse_args()
+
+    run_id = uuid.uuid4().hex[:8]
+    db = f"tgcpu_{run_id}"
+    prefix = f"tgcpu:{run_id}:"
+    base = PG_URL.rsplit("/", 1)[0]
+    admin = psycopg.connect(libpq_url(PG_URL), autocommit=True)
+    admin.execute(f'CREATE DATABASE "{db}"')
+    url = f"{base}/{db}"
+    env = {
+        **os.environ,
+        "TGBENCH_DB_URL": url,
+        "TGBENCH_QUEUE": f"tgcpu-{run_id}",
+        "TGBENCH_PREFIX": prefix,
+        "TGBENCH_DURABLE": "0" if args.relaxed else "1",
+        "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]),
+    }
+    worker = None
+    try:
+        schema.upgrade(url)
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "benchlib.e2e_app", "worker",
+             "-P", "prefork", "-c", "1", "-l", "WARNING", "-Q", env["TGBENCH_QUEUE"],
+             "--without-gossip", "--without-mingle", "--without-heartbeat",
+             "-n", f"tgcpu-{run_id}@%h"],
+            cwd=SCRIPTS, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        os.environ.update(env)
+        from benchlib import e2e_app
+
+        counter = redis.Redis.from_url(e2e_app.REDIS_URL)
+
+        def batch(task: object, n: int, first: int) -> tuple[float, dict[str, float]]:
+            assert worker is not None
+            done = f"{prefix}done:{task.name}"  # type: ignore[attr-defined]
+            start = int(counter.get(done) or 0)
+            before, cpu0, t0 = _snapshot(worker.pid), time.process_time(), time.perf_counter()
+            for i in range(n):
+                task.apply_async((first + i,))  # type: ignore[attr-defined]
+            deadline = time.monotonic() + 120
+            while int(counter.get(done) or 0) < start + n:
+                if time.monotonic() > deadline or worker.poll() is not None:
+                    raise RuntimeError("the worker did not finish the batch")
+                time.sleep(0.005)
+            t1, cpu1, after = time.perf_counter(), time.process_time(), _snapshot(worker.pid)
+            per: dict[str, float] = {"publisher": (cpu1 - cpu0) * 1e6 / n}
+            for (pid, kind), ticks in after.items():
+                used = (ticks - before.get((pid, kind), 0)) / HZ * 1e6 / n
+                per[kind] = per.get(kind, 0.0) + used
+            return n / (t1 - t0), per
+
+        time.sleep(3)
+        batch(e2e_app.plain, 200, 10**9)  # warm-up: connections, prepared statements
+        batch(e2e_app.guarded, 200, 2 * 10**9)
+        kinds = ("publisher", "worker main", "worker child", "postgres", "rabbitmq", "redis")
+        header = " ".join(f"{k:>12s}" for k in kinds)
+        print(f"{'task':24s} {'tasks/s':>8s} {header}   (CPU us/task)")
+        for rnd in range(args.rounds):
+            for task in (e2e_app.plain, e2e_app.guarded):
+                rate, per = batch(task, args.tasks, rnd * 10**7 + (task is e2e_app.guarded) * 10**8)
+                print(
+                    f"{task.name.removeprefix(prefix):24s} {rate:8.0f} "
+                    + " ".join(f"{per.get(k, 0.0):12.0f}" for k in kinds)
+                )
+        for key in counter.scan_iter(f"{prefix}*"):
+            counter.delete(key)
+    finally:
+        if worker is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(worker.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                worker.wait(20)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(worker.pid, signal.SIGKILL)
+        admin.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+        admin.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
