@@ -235,11 +235,14 @@ def queued_tasks(pg_url: str) -> Iterator[tuple[Any, Any]]:
     app = Celery("tg_badargs", broker="memory://", backend="cache+memory://", set_as_current=False)
     app.conf.update(task_serializer="json", taskguard_database_url=pg_url)
 
-    @guarded_task(app=app, name="badargs.by_args", lock="queue", ttl=60)
+    # shared=False: a shared task would be added to every app made after this fixture.
+    @guarded_task(app=app, shared=False, name="badargs.by_args", lock="queue", ttl=60)
     def by_args(feed: str, extra: Any) -> None:
         pass
 
-    @guarded_task(app=app, name="badargs.by_template", key="feed:{feed}", lock="queue", ttl=60)
+    @guarded_task(
+        app=app, shared=False, name="badargs.by_template", key="feed:{feed}", lock="queue", ttl=60
+    )
     def by_template(feed: str, extra: Any) -> None:
         pass
 
