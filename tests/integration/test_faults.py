@@ -190,7 +190,7 @@ def app(proxied_url: str) -> Iterator[Celery]:
 
 
 def _task(app: Celery, ran: list[Any]) -> Any:
-    @guarded_task(app=app, key="feed:{feed}", ttl=30, name="faults.fetch")
+    @guarded_task(app=app, shared=False, key="feed:{feed}", ttl=30, name="faults.fetch")
     def fetch(feed: str) -> str:
         lease = current_lease()
         ran.append(lease)
