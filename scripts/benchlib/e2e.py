@@ -45,6 +45,11 @@ def rows() -> list[Row]:
     ]
 
 
+def _concurrency() -> int:
+    """Pool processes of the benchmark worker: the cores, or $TGBENCH_CONCURRENCY."""
+    return int(os.environ.get("TGBENCH_CONCURRENCY", 0)) or os.cpu_count() or 2
+
+
 def _start_worker(env: Env, concurrency: int, log: Any) -> subprocess.Popen[bytes]:
     cmd = [
         sys.executable, "-m", "celery", "-A", "benchlib.e2e_app", "worker",
@@ -94,7 +99,7 @@ def _phase(
     """Start one worker, run ``rounds`` batches of ``per_round`` tasks per variant
     (alternating), stop the worker; returns tasks/s per variant."""
     tasks = {name: getattr(mod, name) for name in names}
-    concurrency = int(os.environ.get("TGBENCH_CONCURRENCY", 0)) or os.cpu_count() or 2
+    concurrency = _concurrency()
     r = redis.Redis.from_url(env.redis_url)
     log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"tgbench_worker_{env.run_id}.log"
     os.environ["TGBENCH_DURABLE"] = "1" if durable else "0"
@@ -162,7 +167,7 @@ def run(env: Env) -> list[Row]:
 
 def _measure(env: Env, mod: Any, by_id: dict[str, Row]) -> None:
     rounds, per_round = env.pick((1, 100), (4, 500))  # 2,000 tasks per variant in a full run
-    concurrency = int(os.environ.get("TGBENCH_CONCURRENCY", 0)) or os.cpu_count() or 2
+    concurrency = _concurrency()
     names = ["plain", "once"]
     if mod.GUARDED_UNAVAILABLE:
         for row_id in ("e2e.guarded", "e2e.guarded_relaxed"):

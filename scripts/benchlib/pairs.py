@@ -65,7 +65,7 @@ class RawSql(Contestant):
         engine = create_engine(url)
         sql = lock_sql_for(engine.dialect)
         engine.dispose()
-        self.acquire_sql, self.release = sql.acquire.sql, sql.release
+        self.acquire_sql, self.release_sql = sql.acquire.sql, sql.release.sql
         self.conn = psycopg.connect(libpq_url(url), autocommit=True)
         if not durable:
             self.conn.execute("SET synchronous_commit TO off")
@@ -92,10 +92,7 @@ class RawSql(Contestant):
         )
         if cur.fetchone() is None:
             raise RuntimeError(f"raw acquire of {self.key} was not granted")
-        release = self.release
-        cur.execute(
-            release.sql, release.params({"key": self.key, "slot": 0, "owner": owner}), prepare=True
-        )
+        cur.execute(self.release_sql, {"key": self.key, "slot": 0, "owner": owner}, prepare=True)
         if cur.rowcount != 1:
             raise RuntimeError(f"raw release of {self.key} matched {cur.rowcount} rows")
 

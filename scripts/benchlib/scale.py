@@ -24,7 +24,7 @@ from sqlalchemy import create_engine
 
 from benchlib.common import Env, Row, latency_ms, libpq_url, now_ns, scratch_db, stop_children
 from taskguard import TaskGuard
-from taskguard.dialects import Statement, lock_sql_for
+from taskguard.dialects import lock_sql_for
 
 TTL = 60.0
 GRACE = 300.0
@@ -200,23 +200,13 @@ def _pgbench_script(url: str) -> str:
         "pid": "(:client_id)",
     }
 
-    def sub(stmt: Statement) -> str:
-        # Values the statement binds itself (e.g. release's set_config arguments).
-        fixed = {k: _literal(v) for k, v in stmt.defaults}
-        return re.sub(r"%\((\w+)\)s", lambda m: {**fixed, **values}[m.group(1)], stmt.sql)
+    def sub(text: str) -> str:
+        return re.sub(r"%\((\w+)\)s", lambda m: values[m.group(1)], text)
 
     return (
         f"\\set k random(1, {BLOAT_KEYS})\n\\set o random(1, 1000000000)\n"
-        f"{sub(sql.acquire)};\n{sub(sql.release)};\n"
+        f"{sub(sql.acquire.sql)};\n{sub(sql.release.sql)};\n"
     )
-
-
-def _literal(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return "'" + value.replace("'", "''") + "'"
-    return str(value)
 
 
 def _table_stats(url: str) -> dict[str, int]:

@@ -54,6 +54,7 @@ from sqlalchemy.sql.elements import BindParameter
 from taskguard.dialects._history import history_statements
 from taskguard.dialects._parts import (
     HOLDER_COLS,
+    PG_QUICK_COMMIT,
     RESERVE_GRACE,
     Flavor,
     Statement,
@@ -322,11 +323,9 @@ def _postgresql(dialect: Dialect) -> LockSQL:
         to_datetime=pg_datetime,
         seconds_param=pg_seconds,
         ts_param=lambda dt: dt,
-        # An uncorrelated subquery: evaluated once, before the row is touched, and
-        # local to the statement's own (autocommit) transaction.
-        relax_commit=select(func.set_config("synchronous_commit", "off", True))
-        .scalar_subquery()
-        .is_not(None),
+        # An uncorrelated subquery: evaluated once, before the row is touched. Inline
+        # text, so the hot release binds no extra parameters.
+        relax_commit=select(literal_column(PG_QUICK_COMMIT)).scalar_subquery().is_not(None),
     )
 
 

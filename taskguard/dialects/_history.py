@@ -19,7 +19,15 @@ from sqlalchemy import (
 from sqlalchemy.engine import Dialect
 from sqlalchemy.sql import func
 
-from taskguard.dialects._parts import EV, HOLDER_COLS, SQLITE_FMT, Flavor, Statement, compile_for
+from taskguard.dialects._parts import (
+    EV,
+    HOLDER_COLS,
+    PG_QUICK_COMMIT,
+    SQLITE_FMT,
+    Flavor,
+    Statement,
+    compile_for,
+)
 
 __all__ = ["PG_REAP_START", "HistorySQL", "history_statements"]
 
@@ -58,7 +66,7 @@ WITH batch AS (
     RETURNING t.key, t.slot, t.owner, t.token
 ){events}
 SELECT (SELECT count(*) FROM gone), scanned, CAST(last AS text)
-FROM batch, (SELECT set_config('synchronous_commit', 'off', true)) AS quick_commit
+FROM batch, (SELECT {quick}) AS quick_commit
 """
 #: Where the first PostgreSQL reap batch starts (item numbers begin at 1).
 PG_REAP_START = "(0,0)"
@@ -169,8 +177,10 @@ def history_statements(dialect: Dialect, fl: Flavor) -> HistorySQL:
     trim_events = EV.delete().where(
         EV.c.id.in_(old.limit(bindparam("batch_size")).scalar_subquery())
     )
-    reap = _PG_REAP.format(events="") if pg else _SQLITE_REAP
-    reap_history = _PG_REAP.format(events=_PG_REAP_EVENTS) if pg else _SQLITE_REAP
+    reap = _PG_REAP.format(events="", quick=PG_QUICK_COMMIT) if pg else _SQLITE_REAP
+    reap_history = (
+        _PG_REAP.format(events=_PG_REAP_EVENTS, quick=PG_QUICK_COMMIT) if pg else _SQLITE_REAP
+    )
     return HistorySQL(
         reap_batch=compile_for(text(reap), dialect),
         reap_batch_history=compile_for(text(reap_history), dialect),

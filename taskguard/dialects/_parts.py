@@ -30,6 +30,10 @@ from taskguard.models import TaskLock, TaskLockEvent
 
 #: For this long after a lease ends, only the longest-waiting waiter may take the row.
 RESERVE_GRACE = 0.5
+#: PostgreSQL: the statement's own (autocommit) transaction commits without waiting for
+#: the WAL flush. Only for statements whose loss in a database crash is harmless (a
+#: release, a reap batch); a later durable commit flushes them anyway.
+PG_QUICK_COMMIT = "set_config('synchronous_commit', 'off', true)"
 
 T: Table = TaskLock.__table__  # type: ignore[assignment]
 EV: Table = TaskLockEvent.__table__  # type: ignore[assignment]
