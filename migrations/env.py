@@ -12,7 +12,7 @@ from alembic import context
 from sqlalchemy import create_engine
 
 from taskguard.models import VERSION_TABLE, metadata
-from taskguard.schema import include_taskguard_object
+from taskguard.schema import check_supported, include_taskguard_object
 
 config = context.config
 
@@ -43,6 +43,8 @@ def run_offline() -> None:
 def run_online() -> None:
     connection = config.attributes.get("connection")
     if connection is not None:
+        # Before Alembic creates its version table: a refusal leaves nothing behind.
+        check_supported(connection)
         _configure(connection=connection)
         with context.begin_transaction():
             context.run_migrations()
@@ -53,6 +55,7 @@ def run_online() -> None:
     engine = create_engine(url)
     try:
         with engine.connect() as conn:
+            check_supported(conn)
             _configure(connection=conn)
             with context.begin_transaction():
                 context.run_migrations()

@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """taskguard benchmarks (issue #6): every row in one run, ratios from that run.
 
-    python scripts/bench.py [--quick] [--json FILE] [--sections pairs,contention,scale,e2e]
+    python scripts/bench.py [--quick] [--json FILE] [--sections pairs,contention,scale,e2e,storm]
 
-Needs the local PostgreSQL, Redis and RabbitMQ (URLs below, or the options). Each
+Needs the local PostgreSQL, Redis and RabbitMQ (URLs below, or the options); the
+storm section also starts a private memcached (installing the Debian package when
+it is missing) and keeps its Redis keys in database 12. Each
 section uses its own scratch database (dropped at the end) and a unique Redis key
 prefix (deleted at the end). ``--quick`` shrinks every section (smaller tables,
 fewer tasks, shorter runs) so the whole run takes well under a minute; its figures
@@ -32,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import common, report
 
-SECTIONS = ("pairs", "contention", "scale", "e2e")
+SECTIONS = ("pairs", "contention", "scale", "e2e", "storm")
 DEFAULT_PG = os.environ.get(
     "TASKGUARD_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 )
@@ -79,6 +81,8 @@ def _versions() -> dict[str, str]:
         "celery",
         "celery_once",
         "celery-singleton",
+        "Django",
+        "pymemcache",
     ):
         try:
             out[dist] = metadata.version(dist)
@@ -186,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
 
     print(report.format_table(rows))
     print()
+    storm_table = report.format_storm(rows)
+    if storm_table:
+        print(storm_table)
+        print()
     print(report.format_targets(target_results))
     print()
     print(

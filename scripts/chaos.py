@@ -8,7 +8,8 @@ Creates a throwaway PostgreSQL cluster (initdb in a temp dir, its own port; the
 server on 5432 is only used by the pytest phases, never stopped or signalled),
 drives 8 worker processes that log every grant/renewal/release/fenced write with
 database timestamps, injects faults (reaper in a tight loop, crash-restarts,
-SIGSTOP/SIGCONT, SIGKILL, connection cuts around COMMIT, bad input) and checks
+SIGSTOP/SIGCONT, SIGKILL, connection cuts around COMMIT, bad input, failover to a
+synchronous standby with an asynchronous negative control) and checks
 the histories. Prints the figures (docs/reliability.md quotes them) and writes
 them as JSON with ``--out``. Exit status 1 if any invariant was violated.
 """
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from chaoslib import phases
 from chaoslib.cluster import ThrowawayCluster
+from chaoslib.mariadb_server import ThrowawayMariaDB
 
 FULL = {
     "grants": 100_000,
@@ -40,6 +42,10 @@ FULL = {
     "rounds": 10,
     "fault_rounds": 100,
     "examples": 2_500,
+    "maria_grants": 20_000,
+    "maria_crash_grants": 8_000,
+    "failovers": 6,
+    "failover_seconds": 4.0,
 }
 QUICK = {
     "grants": 4_000,
@@ -51,6 +57,10 @@ QUICK = {
     "rounds": 2,
     "fault_rounds": 5,
     "examples": 100,
+    "maria_grants": 2_000,
+    "maria_crash_grants": 1_000,
+    "failovers": 1,
+    "failover_seconds": 2.0,
 }
 
 
@@ -152,6 +162,11 @@ def main() -> int:
                 phases.negative_controls,
                 dict(cluster=cluster, grants=size["control_grants"]),
             ),
+            (
+                "10_failover",
+                phases.failover,
+                dict(rounds=size["failovers"], seconds=size["failover_seconds"]),
+            ),
             ("7_faults_tests", phases.pytest_phase, dict(test_file="test_faults.py")),
             (
                 "8_bad_input",
@@ -164,6 +179,74 @@ def main() -> int:
             if name in opts.skip:
                 continue
             results[name] = phases.timed(name, fn, **kwargs)
+    if "mariadb" not in opts.skip:
+        # A private MariaDB server (mariadb-install-db into a temp dir, its own port).
+        with ThrowawayMariaDB() as maria:
+            maria_plan: list[tuple[str, Any, dict[str, Any]]] = [
+                (
+                    "maria_1_contention_reaper",
+                    phases.contended,
+                    dict(
+                        cluster=maria,
+                        grants=size["maria_grants"],
+                        crash_every=None,
+                        reaper_grace=0.05,
+                        name="contention",
+                    ),
+                ),
+                (
+                    "maria_2_crash_restarts",
+                    phases.contended,
+                    dict(
+                        cluster=maria,
+                        grants=size["maria_crash_grants"],
+                        crash_every=3.0,
+                        reaper_grace=0.05,
+                        name="crashes",
+                        keys=tuple(f"k{i}" for i in range(32)),
+                    ),
+                ),
+                (
+                    "maria_1_limit3",
+                    phases.contended,
+                    dict(
+                        cluster=maria,
+                        grants=size["limit_grants"],
+                        crash_every=None,
+                        reaper_grace=None,
+                        name="limit3",
+                        limit=3,
+                        keys=("a", "b"),
+                    ),
+                ),
+                (
+                    "maria_3_fenced_rmw",
+                    phases.contended,
+                    dict(
+                        cluster=maria,
+                        grants=size["fenced_grants"],
+                        crash_every=None,
+                        reaper_grace=None,
+                        name="fenced",
+                        fenced=True,
+                        keys=("a", "b"),
+                    ),
+                ),
+                (
+                    "maria_5_sigkill",
+                    phases.mariadb_holders,
+                    dict(server=maria, rounds=size["rounds"]),
+                ),
+                (
+                    "maria_6_durability",
+                    phases.mariadb_durability,
+                    dict(server=maria, rounds=size["rounds"]),
+                ),
+            ]
+            for name, fn, kwargs in maria_plan:
+                if name in opts.skip:
+                    continue
+                results[name] = phases.timed(name, fn, **kwargs)
     results["wall_seconds"] = round(time.monotonic() - started, 1)
     failed = [
         n

@@ -7,6 +7,7 @@ from taskguard.celery import (
     guarded_task,
     is_skipped,
 )
+from taskguard.celery.reaper import reap_expired_locks, schedule_reaper
 from taskguard.exceptions import (
     AlreadyLocked,
     ConfigurationError,
@@ -25,14 +26,14 @@ from taskguard.exceptions import (
 from taskguard.guard import ReapResult, TaskGuard
 from taskguard.history import LockEvent
 from taskguard.keys import normalize_key, validate_ttl
-from taskguard.lease import Holder, Lease, LockInfo
+from taskguard.lease import Attempt, Holder, Lease, LockInfo
 from taskguard.models import TaskLock, TaskLockEvent, metadata
-from taskguard.reaper import reap_expired_locks, schedule_reaper
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AlreadyLocked",
+    "Attempt",
     "ConfigurationError",
     "DatabaseError",
     "DatabaseUnavailable",

@@ -1,7 +1,11 @@
 """Settings, read the Celery way: ``app.conf.taskguard_*`` first, then the
-environment. One :class:`TaskGuard` (one engine, one small pool) per process and
-URL, created lazily; TaskGuard's own engines drop inherited connections after a
-fork, so prefork children never share a socket with the parent.
+environment, and the one place a :class:`TaskGuard` is built from them.
+
+:func:`build_guard` is the factory (every setting honoured); the Celery glue,
+the reaper and the demo share one cached guard per process and configuration
+through :func:`guard_for`, the command line builds a short-lived one per command.
+TaskGuard's own engines drop inherited connections after a fork, so prefork
+children never share a socket with the parent.
 """
 
 from __future__ import annotations
@@ -10,12 +14,21 @@ import contextlib
 import os
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 from taskguard.exceptions import ConfigurationError
 from taskguard.guard import TaskGuard
 
-__all__ = ["DEFAULTS", "ENV_DATABASE_URL", "database_url", "guard_for", "reset_guards", "setting"]
+__all__ = [
+    "DEFAULTS",
+    "ENV_DATABASE_URL",
+    "build_guard",
+    "database_url",
+    "guard_for",
+    "reset_guards",
+    "setting",
+]
 
 ENV_DATABASE_URL = "TASKGUARD_DATABASE_URL"
 
@@ -40,10 +53,36 @@ DEFAULTS: dict[str, Any] = {
     "taskguard_history_retention": 604800.0,
     #: Longest wait of on_conflict="wait" tasks that do not set wait_timeout (seconds).
     "taskguard_wait_timeout": 300.0,
+    # -- Celery glue (taskguard.celery) --------------------------------------------------
+    #: Seconds a finished task id is remembered: a copy of its message delivered within
+    #: this window is dropped (taskguard.celery.completions). Keep it above the broker's
+    #: redelivery window (Redis/SQS visibility_timeout) plus the longest task. 0: off.
+    "taskguard_finished_retention": 7200.0,
+    # -- production PostgreSQL: poolers, standbys, time limits (docs/operations.md) --
+    #: Seconds one lease operation may take (client-side; the connection is shut down,
+    #: never the statement cancelled); then OutcomeUnknown / DatabaseUnavailable.
+    "taskguard_call_timeout": 10.0,
+    #: A direct or session-pooled URL of the lock database for wait= wake-ups
+    #: (LISTEN). Unset: the lock URL, unless it goes through a pooler (then: polling).
+    "taskguard_listen_url": None,
+    #: Worker start-up check (URL, connectivity, schema at head, privileges):
+    #: "stop" (stop the worker on a wrong URL, an old schema or a missing privilege;
+    #: only log an unreachable database), "strict" (stop on anything), "log", "off".
+    "taskguard_startup_check": "stop",
 }
 
-_guards: dict[tuple[str, bool, bool, float], TaskGuard] = {}
+_guards: dict[tuple[Any, ...], TaskGuard] = {}
 _guards_lock = threading.Lock()
+
+
+def _reset_lock_after_fork() -> None:
+    # A child forked while another thread held the lock would wait on it forever.
+    global _guards_lock  # noqa: PLW0603 (the lock itself must be replaced)
+    _guards_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_lock_after_fork)
 # The guard each app resolved to. Reading four settings through Celery's layered
 # conf on every task run cost more CPU than the lock statements' own Python work;
 # reset_guards() empties this, so changed settings are read again.
@@ -71,8 +110,63 @@ def database_url(app: Any = None) -> str:
     return str(url)
 
 
+@dataclass(frozen=True)
+class _GuardSettings:
+    url: str
+    durable: bool
+    history: bool
+    history_retention: float
+    call_timeout: float
+    listen_url: str | None
+    engine_options: dict[str, Any]
+
+    def identity(self) -> tuple[Any, ...]:
+        # Engine options are part of it: apps that tune their pools differently
+        # must not share one engine.
+        return (
+            self.url,
+            self.durable,
+            self.history,
+            self.history_retention,
+            self.call_timeout,
+            self.listen_url,
+            repr(sorted(self.engine_options.items())),
+        )
+
+
+def _guard_settings(app: Any, url: str | None) -> _GuardSettings:
+    return _GuardSettings(
+        url=url or database_url(app),
+        durable=bool(setting(app, "taskguard_durable")),
+        history=bool(setting(app, "taskguard_history")),
+        history_retention=float(setting(app, "taskguard_history_retention")),
+        call_timeout=float(setting(app, "taskguard_call_timeout")),
+        listen_url=setting(app, "taskguard_listen_url") or None,
+        engine_options=dict(setting(app, "taskguard_engine_options") or {}),
+    )
+
+
+def build_guard(app: Any = None, *, url: str | None = None) -> TaskGuard:
+    """A new :class:`TaskGuard` for ``app``'s settings (``taskguard_durable``,
+    ``taskguard_history``, ``taskguard_history_retention``, ``taskguard_call_timeout``,
+    ``taskguard_listen_url``, ``taskguard_engine_options``; defaults without an app).
+    ``url`` overrides the configured database URL. The caller disposes it; processes
+    that keep one use :func:`guard_for`."""
+    s = _guard_settings(app, url)
+    return TaskGuard(
+        s.url,
+        durable=s.durable,
+        history=s.history,
+        history_retention=s.history_retention,
+        call_timeout=s.call_timeout,
+        listen_url=s.listen_url,
+        **s.engine_options,
+    )
+
+
 def guard_for(app: Any = None) -> TaskGuard:
-    """The process-wide :class:`TaskGuard` for ``app``'s configuration.
+    """The process-wide :class:`TaskGuard` for ``app``'s configuration, built by
+    :func:`build_guard` on first use.
 
     An app's settings are read on its first use in a process; call
     :func:`reset_guards` after changing them."""
@@ -89,21 +183,14 @@ def guard_for(app: Any = None) -> TaskGuard:
 
 
 def _resolve(app: Any) -> TaskGuard:
-    url = database_url(app)
-    durable = bool(setting(app, "taskguard_durable"))
-    history = bool(setting(app, "taskguard_history"))
-    retention = float(setting(app, "taskguard_history_retention"))
-    key = (url, durable, history, retention)
+    key = _guard_settings(app, None).identity()
     guard = _guards.get(key)
     if guard is not None:
         return guard
     with _guards_lock:
         guard = _guards.get(key)
         if guard is None:
-            options = dict(setting(app, "taskguard_engine_options") or {})
-            guard = TaskGuard(
-                url, durable=durable, history=history, history_retention=retention, **options
-            )
+            guard = build_guard(app)
             _guards[key] = guard
         return guard
 

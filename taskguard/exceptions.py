@@ -7,10 +7,17 @@ holder, expiry) as attributes, so nobody has to parse a message string.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from taskguard.lease import LockInfo
+
+class _Holder(Protocol):
+    """What an error needs of a holder (a :class:`taskguard.LockInfo`)."""
+
+    @property
+    def expires_at(self) -> datetime: ...
+
+    def describe(self) -> str: ...
+
 
 __all__ = [
     "AlreadyLocked",
@@ -80,9 +87,7 @@ class LockHeld(TaskGuardError):
     after such a round trip ``holder`` is ``None`` but the message still names it.
     """
 
-    def __init__(
-        self, key: str, holder: LockInfo | None = None, message: str | None = None
-    ) -> None:
+    def __init__(self, key: str, holder: _Holder | None = None, message: str | None = None) -> None:
         self.key = key
         self.holder = holder
         self.expires_at: datetime | None = holder.expires_at if holder else None

@@ -18,49 +18,67 @@ one (a row renewed after the snapshot was taken raises a serialization error).
 
 On SQLite the fence takes the database's write lock for the rest of the
 transaction (no other writer, hence no takeover, until it ends).
+
+Django's ``django.db.connection`` works too, inside ``transaction.atomic()``: the
+fence then runs through the connection's cursor, in the same transaction as the
+ORM's writes.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from functools import cache
+from typing import Any, Protocol
 
+from sqlalchemy.dialects import registry
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
-from taskguard.dialects import fence_statement
+from taskguard.dialects import dialect_for
+from taskguard.dialects.base import compile_for
 from taskguard.exceptions import ConfigurationError, LeaseLost
 
-if TYPE_CHECKING:
-    from taskguard.lease import Lease
+__all__ = ["LeaseRef", "fence"]
 
-__all__ = ["fence"]
+#: Django's connection.vendor -> SQLAlchemy backend name.
+_DJANGO_VENDORS = {"postgresql": "postgresql", "sqlite": "sqlite", "mysql": "mysql"}
 
 
-def fence(lease: Lease, session: Session | Connection) -> int:
+class LeaseRef(Protocol):
+    """What fencing needs of a lease: which row, and whose."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def slot(self) -> int: ...
+    @property
+    def owner(self) -> str: ...
+
+
+def fence(lease: LeaseRef, session: Session | Connection | Any) -> int:
     """Check ``lease`` inside ``session``'s transaction; return its fencing token.
 
     ``session`` is a SQLAlchemy :class:`~sqlalchemy.orm.Session` or
     :class:`~sqlalchemy.engine.Connection` on the lock database, with the
-    transaction whose writes the lease must protect (one is begun if none is).
+    transaction whose writes the lease must protect (one is begun if none is), or
+    Django's ``connection`` inside ``transaction.atomic()``.
     Raises :class:`~taskguard.LeaseLost` if the lease expired, was released or was
     taken over; let it propagate so the transaction rolls back.
     """
+    params = {"lease_key": lease.key, "lease_slot": lease.slot, "lease_owner": lease.owner}
     if isinstance(session, Session):
-        dialect = session.get_bind().dialect
+        stmt = dialect_for(session.get_bind().dialect.name).fence_statement()
+        token = session.execute(stmt, params).scalar()
     elif isinstance(session, Connection):
-        dialect = session.dialect
+        token = session.execute(
+            dialect_for(session.dialect.name).fence_statement(), params
+        ).scalar()
+    elif isinstance(getattr(session, "vendor", None), str) and hasattr(session, "cursor"):
+        token = _fence_django(session, params)
     else:
         raise ConfigurationError(
-            "fence() needs a SQLAlchemy Session or Connection with an open transaction, "
-            f"not {type(session).__name__}"
+            "fence() needs a SQLAlchemy Session or Connection, or Django's connection, "
+            f"with an open transaction; not {type(session).__name__}"
         )
-    try:
-        stmt = fence_statement(dialect.name)
-    except NotImplementedError as exc:
-        raise ConfigurationError(str(exc)) from None
-    token = session.execute(
-        stmt, {"lease_key": lease.key, "lease_slot": lease.slot, "lease_owner": lease.owner}
-    ).scalar()
     if token is None:
         raise LeaseLost(
             lease.key,
@@ -69,3 +87,29 @@ def fence(lease: Lease, session: Session | Connection) -> int:
             "(checked by the database clock); this transaction must not commit",
         )
     return int(token)
+
+
+@cache
+def _django_sql(vendor: str, paramstyle: str) -> tuple[str, tuple[str, ...] | None]:
+    name = _DJANGO_VENDORS.get(vendor)
+    if name is None:
+        raise ConfigurationError(f"fence() does not support Django's {vendor!r} backend")
+    # Only the SQL text is needed: compile for the backend's default dialect class.
+    sa_dialect = registry.load(name)(paramstyle=paramstyle)
+    compiled = compile_for(dialect_for(name).fence_statement(), sa_dialect)
+    return compiled.sql, compiled.positional_names
+
+
+def _fence_django(connection: Any, params: dict[str, Any]) -> Any:
+    if not connection.in_atomic_block:
+        raise ConfigurationError(
+            "fence() with Django's connection must run inside transaction.atomic(): "
+            "outside it each statement commits on its own and the fence protects nothing"
+        )
+    # Django's cursors take "%s" placeholders on every backend.
+    sql, names = _django_sql(connection.vendor, "format")
+    values = tuple(params[n] for n in names) if names else tuple(params.values())
+    with connection.cursor() as cursor:
+        cursor.execute(sql, values)
+        row = cursor.fetchone()
+    return None if row is None else row[0]

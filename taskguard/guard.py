@@ -1,10 +1,5 @@
-"""The programmatic API: :class:`TaskGuard`. The CLI and the Celery glue are
-thin layers over it.
-
-This module holds the lease operations (the hot path); inspection, the reaper
-and history live in :mod:`taskguard.operations`, waiting in
-:mod:`taskguard.waiting`, fencing in :mod:`taskguard.fencing`.
-"""
+"""The programmatic API: :class:`TaskGuard`. The Celery glue and the CLI are thin
+layers over it; every statement it sends goes through :mod:`taskguard.store`."""
 
 from __future__ import annotations
 
@@ -13,54 +8,52 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import URL, Engine
-from sqlalchemy.engine import Connection
-from sqlalchemy.orm import Session
 
-from taskguard import history as _history
-from taskguard._db import Executor
-from taskguard.exceptions import (
-    ConfigurationError,
-    DatabaseUnavailable,
-    LockHeld,
-    OutcomeUnknown,
-    SchemaMissing,
-)
+from taskguard.deadline import DEFAULT_CALL_TIMEOUT
+from taskguard.exceptions import InvalidKey, LockHeld
 from taskguard.fencing import fence
-from taskguard.keys import normalize_key, validate_holder, validate_ttl
-from taskguard.lease import Lease, LockInfo
-from taskguard.operations import DEFAULT_HISTORY_RETENTION, GuardOperations, ReapResult
+from taskguard.history import LockEvent, explain, secs, with_holders
+from taskguard.keys import (
+    MAX_LIMIT,
+    normalize_key,
+    optional_seconds,
+    validate_holder,
+    validate_limit,
+    validate_ttl,
+)
+from taskguard.lease import Attempt, Holder, Lease, LockInfo
+from taskguard.store import Store
 from taskguard.waiting import wait_for
 
-__all__ = ["MAX_LIMIT", "ReapResult", "TaskGuard"]
+__all__ = ["DEFAULT_HISTORY_RETENTION", "MAX_LIMIT", "ReapResult", "TaskGuard"]
 
 log = logging.getLogger("taskguard")
 
 _HOSTNAME = socket.gethostname()
-#: Largest concurrency limit: each acquire looks at up to this many slot rows.
-MAX_LIMIT = 1000
+#: Lock history older than this is trimmed by the reaper (seconds: one week).
+DEFAULT_HISTORY_RETENTION = 7 * 24 * 3600.0
+# Cap on rows returned by held(); an operator listing more wants SQL, not a list.
+_DEFAULT_LIMIT = 10_000
 
 
-def _limit(limit: object, slot: int) -> int:
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
-        raise ConfigurationError(f"limit must be an int from 1 to {MAX_LIMIT}, got {limit!r}")
-    if limit > 1 and slot != 0:
-        raise ConfigurationError("pass either limit= (any free slot) or slot=, not both")
-    return limit
+class ReapResult(int):
+    """Number of rows a reap removed (an ``int``), plus how many batches it took."""
+
+    batches: int
+
+    def __new__(cls, removed: int, batches: int) -> ReapResult:
+        obj = super().__new__(cls, removed)
+        obj.batches = batches
+        return obj
 
 
-def _wait(wait: object) -> float:
-    if wait is None or wait == 0:
-        return 0.0
-    return validate_ttl(wait, name="wait")
-
-
-class TaskGuard(GuardOperations):
+class TaskGuard:
     """Per-key leases stored in ``task_locks``.
 
     ``url_or_engine`` is a SQLAlchemy URL (taskguard creates and owns a small
@@ -76,6 +69,13 @@ class TaskGuard(GuardOperations):
     ``history=True`` records every grant, conflict, release and loss in
     ``task_lock_events`` (one extra statement per operation; see
     ``taskguard explain``); the reaper trims it to ``history_retention`` seconds.
+    ``call_timeout``: seconds one lease operation may take before it ends as
+    :class:`~taskguard.OutcomeUnknown` (acquire, renew) or
+    :class:`~taskguard.DatabaseUnavailable`, whatever the server does (a commit
+    waiting for a stopped synchronous standby, a dead host).
+    ``listen_url``: where ``acquire(..., wait=...)`` LISTENs for releases (a direct
+    or session-pooled URL of the same database); needed behind a transaction pooler,
+    where waiters otherwise poll (docs/operations.md).
     Extra keyword arguments go to :func:`sqlalchemy.create_engine`.
     """
 
@@ -87,26 +87,36 @@ class TaskGuard(GuardOperations):
         durable: bool = True,
         history: bool = False,
         history_retention: float | timedelta = DEFAULT_HISTORY_RETENTION,
+        call_timeout: float | timedelta = DEFAULT_CALL_TIMEOUT,
+        listen_url: str | URL | None = None,
         **engine_kwargs: Any,
     ) -> None:
-        self._db = Executor(url_or_engine, durable=durable, **engine_kwargs)
+        self._store = Store(
+            url_or_engine,
+            durable=durable,
+            call_timeout=validate_ttl(call_timeout, name="call_timeout"),
+            listen_url=listen_url,
+            **engine_kwargs,
+        )
         self.durable = durable
-        self._sql = self._db.sql
         self.hostname = hostname or _HOSTNAME
         self.history = bool(history)
         self.history_retention = validate_ttl(history_retention, name="history_retention")
 
-    # -- introspection -------------------------------------------------------------
-
     @property
     def engine(self) -> Engine:
         """The engine lock statements run on."""
-        return self._db.engine
+        return self._store.engine
 
     @property
     def url(self) -> str:
         """The database URL with the password masked."""
-        return self._db.url
+        return self._store.url
+
+    @property
+    def dialect_name(self) -> str:
+        """SQLAlchemy's name of the lock database's dialect."""
+        return self._store.dialect.name
 
     def __repr__(self) -> str:
         return f"TaskGuard({self.url!r})"
@@ -140,222 +150,111 @@ class TaskGuard(GuardOperations):
           seconds after this grant, even after release or a crash (at most one run
           per window). Renewals keep the window too.
         * ``wait=T``: if the key is held, wait up to T seconds for it (woken by the
-          release on PostgreSQL, polling on SQLite; the longest waiter goes first).
-          Without it, ``acquire`` never blocks.
+          release where the database can, polling elsewhere; the longest waiter
+          goes first). Without it, ``acquire`` never blocks.
         """
+        return self.try_acquire(
+            key, ttl, task_name=task_name, task_id=task_id, hostname=hostname, pid=pid,
+            slot=slot, limit=limit, min_hold=min_hold, wait=wait,
+        ).lease  # fmt: skip
+
+    def try_acquire(
+        self,
+        key: str,
+        ttl: float | timedelta,
+        *,
+        task_name: str | None = None,
+        task_id: str | None = None,
+        hostname: str | None = None,
+        pid: int | None = None,
+        slot: int = 0,
+        limit: int = 1,
+        min_hold: float | timedelta | None = None,
+        wait: float | timedelta | None = None,
+    ) -> Attempt:
+        """:meth:`acquire`, also saying who holds the key when it is taken: an
+        :class:`~taskguard.lease.Attempt` ``(lease, holder)`` with the holder read
+        once, by the same call that found the conflict (and logged it)."""
         key = normalize_key(key)
         seconds = validate_ttl(ttl)
         validate_holder(task_name, task_id, hostname, pid, slot)
-        if limit != 1 or min_hold is not None or wait is not None or type(limit) is not int:
-            return self._acquire_ext(
-                key, seconds, _limit(limit, slot), min_hold, _wait(wait), slot,
-                task_name, task_id, hostname, pid,
-            )  # fmt: skip
-        owner = uuid.uuid4().hex
-        values = {
-            "key": key,
-            "slot": slot,
-            "owner": owner,
-            "ttl": self._sql.seconds_param(seconds),
-            "task_name": task_name,
-            "task_id": task_id,
-            "hostname": hostname if hostname is not None else self.hostname,
-            "pid": pid if pid is not None else os.getpid(),
-        }
-        lease = self._try(key, values, 1, seconds, 0.0)
-        if lease is None:
-            self._conflict(key, values)
-        elif self.history:
-            _history.record_acquired(self, lease, values, None)
-        return lease
+        holder = Holder(
+            task_name,
+            task_id,
+            hostname if hostname is not None else self.hostname,
+            pid if pid is not None else os.getpid(),
+        )
+        store = self._store
+        if limit == 1 and min_hold is None and wait is None and type(limit) is int:
+            values = store.grant_values(key, slot, uuid.uuid4().hex, seconds, holder)
+            lease = store.grant(values, 1, seconds, 0.0)
+            return self._outcome(lease, values, holder, None)
+        n = validate_limit(limit, slot)
+        hold = optional_seconds(min_hold, "min_hold")
+        waiting = optional_seconds(wait, "wait")
+        # One owner for every attempt (the waiters' queue knows it); the row keeps the
+        # throttle window, so a crashed holder frees it no earlier.
+        values = store.grant_values(key, slot, uuid.uuid4().hex, max(seconds, hold), holder, n)
 
-    def _acquire_ext(
-        self,
-        key: str,
-        seconds: float,
-        limit: int,
-        min_hold: float | timedelta | None,
-        wait: float,
-        slot: int,
-        task_name: str | None,
-        task_id: str | None,
-        hostname: str | None,
-        pid: int | None,
-    ) -> Lease | None:
-        """acquire() with a concurrency limit, a throttle window or waiting."""
-        hold = 0.0 if min_hold is None or min_hold == 0 else validate_ttl(min_hold, name="min_hold")
-        values = {
-            "key": key,
-            "slot": slot,
-            "n": limit,
-            "owner": uuid.uuid4().hex,  # one owner for every attempt: the queue knows it
-            # The row itself keeps the window: a crashed holder frees it no earlier.
-            "ttl": self._sql.seconds_param(max(seconds, hold)),
-            "task_name": task_name,
-            "task_id": task_id,
-            "hostname": hostname if hostname is not None else self.hostname,
-            "pid": pid if pid is not None else os.getpid(),
-        }
-        lease = self._try(key, values, limit, seconds, hold)
+        def attempt() -> Lease | None:
+            return store.grant(values, n, seconds, hold)
+
+        lease = attempt()
         waited = None
-        if lease is None and wait > 0:
+        if lease is None and waiting > 0:
             started = time.monotonic()
-            holder = self._current_holder(key)
+            current = store.live_holder(key)
             log.info(
                 "lock %r is held by %s; waiting up to %gs",
                 key,
-                holder.describe() if holder else "a holder that just released",
-                wait,
+                current.describe() if current else "a holder that just released",
+                waiting,
             )
-            lease = wait_for(
-                self,
-                lambda: self._try(key, values, limit, seconds, hold),
-                key,
-                values["owner"],
-                range(slot, slot + 1) if limit == 1 else range(limit),
-                wait,
-            )
+            slots = range(slot, slot + 1) if n == 1 else range(n)
+            lease = wait_for(store, attempt, key, values["owner"], slots, waiting)
             waited = time.monotonic() - started
-        if lease is None:
-            self._conflict(key, values, waited)
-        elif self.history:
-            _history.record_acquired(self, lease, values, waited)
-        return lease
+        return self._outcome(lease, values, holder, waited)
 
-    def _try(
-        self, key: str, values: dict[str, Any], limit: int, seconds: float, hold: float
-    ) -> Lease | None:
-        """One grant attempt (two statements at most); ``None`` if the key is held."""
-        stmt = self._sql.acquire if limit == 1 else self._sql.acquire_slots
-        try:
-            rows, _ = self._db.run(stmt, values)
-        except (SchemaMissing, OutcomeUnknown):
-            raise
-        except DatabaseUnavailable as exc:
-            if not exc.statement_sent:
-                raise  # nothing reached the server: certainly not granted
-            # The grant may have committed before the connection broke. Never assume:
-            # read back by owner, which is unique to this attempt.
-            recovered = self._recover(key, None if limit > 1 else values["slot"], values, exc)
-            if recovered is not None:
-                recovered.ttl, recovered.min_hold = seconds, hold
-                return recovered
-            try:
-                rows, _ = self._db.run(stmt, values)
-            except DatabaseUnavailable as again:
-                if not again.statement_sent:
-                    raise
-                raise OutcomeUnknown(
-                    f"connection to {self.url} broke again while retrying the acquire of "
-                    f"{key!r}; owner {values['owner']} may hold it until its ttl ends",
-                    key,
-                    values["owner"],
-                    self.url,
-                ) from again
-        if limit > 1:
-            if rows and rows[0][1] is None:
-                # Lost the race for a new slot to a concurrent acquirer: one more try
-                # (that slot now exists; the retry takes another or finds all taken).
-                rows, _ = self._db.run(stmt, values)
-            if not rows or rows[0][1] is None:
-                return None
-            slot, token, acquired_at, expires_at = rows[0]
-        elif rows:
-            slot = values["slot"]
-            token, acquired_at, expires_at = rows[0]
+    def _outcome(
+        self, lease: Lease | None, values: dict[str, Any], holder: Holder, waited: float | None
+    ) -> Attempt:
+        key = values["key"]
+        if lease is not None:
+            if self.history:
+                detail = f"throttle window {secs(lease.min_hold)}" if lease.min_hold else None
+                self._store.history.acquired(lease, values, waited, detail)
+            return Attempt(lease, None)
+        current = self._store.live_holder(key)
+        gave_up = f" (gave up after waiting {waited:.3f}s)" if waited else ""
+        if current is None:
+            log.info("lock %r busy; holder released before it could be read%s", key, gave_up)
         else:
-            return None
-        return Lease(
-            key=key,
-            owner=values["owner"],
-            token=int(token),
-            acquired_at=self._sql.to_datetime(acquired_at),
-            expires_at=self._sql.to_datetime(expires_at),
-            ttl=seconds,
-            slot=int(slot),
-            min_hold=hold,
-        )
-
-    def _recover(
-        self, key: str, slot: int | None, values: dict[str, Any], cause: DatabaseUnavailable
-    ) -> Lease | None:
-        owner = values["owner"]
-        try:
-            if slot is None:
-                rows = self._rows(self._sql.get, {"key": key})
-                info = next((r for r in rows if r.owner == owner), None)
-            else:
-                info = self._read_owner(key, slot, owner)
-        except DatabaseUnavailable:
-            raise OutcomeUnknown(
-                f"connection to {self.url} broke while acquiring {key!r} and the outcome "
-                f"could not be read back; owner {owner} may hold it until its ttl ends",
-                key,
-                owner,
-                self.url,
-            ) from cause
-        if info is not None and info.held:
-            log.warning("acquire of %r committed before the connection broke; keeping it", key)
-            return Lease(key, owner, info.token, info.acquired_at, info.expires_at, 0.0, info.slot)
-        log.warning("acquire of %r did not take effect before the connection broke; retrying", key)
-        return None
+            log.info("lock %r is held by %s%s", key, current.describe(), gave_up)
+        if self.history:
+            what = f"held by {current.describe()}" if current else "holder released before read"
+            self._store.history.record(
+                "conflict", key, values["slot"], values["owner"], None, holder,
+                duration=waited, detail=f"gave up; {what}" if waited else what,
+            )  # fmt: skip
+        return Attempt(None, current)
 
     def release(self, lease: Lease) -> bool:
         """Give the lease back. ``True`` if this call ended it; ``False`` if it had
         already expired or been taken over (a stale owner never touches another's row).
         Under a throttle window (``min_hold``) the key stays taken until the window ends."""
-        values: dict[str, Any] = {"key": lease.key, "slot": lease.slot, "owner": lease.owner}
-        stmt = self._sql.release
-        if lease.min_hold:
-            stmt = self._sql.release_hold
-            values["hold"] = self._sql.seconds_param(lease.min_hold)
-        try:
-            _, count = self._db.run(stmt, values)
-        except DatabaseUnavailable as exc:
-            if not exc.statement_sent:
-                raise
-            info = self._reread_or_unknown(lease, "releasing", exc)
-            if info is None or info.owner != lease.owner:
-                return False
-            if not info.held:
-                # Still our row but ended before its expiry: our release committed and
-                # only the reply was lost. Ended at or after it: it had expired.
-                return info.expires_at < lease.expires_at
-            _, count = self._db.run(stmt, values)
-        if self.history:
-            self._record_end(lease, "released" if count == 1 else "lost", "at release")
-        return count == 1
+        ended, by_statement = self._store.release(lease)
+        if by_statement and self.history:
+            self._record_end(lease, "released" if ended else "lost", "at release")
+        return ended
 
     def renew(self, lease: Lease, ttl: float | timedelta | None = None) -> bool:
         """Extend the lease to ``ttl`` (default: its original ttl) from now, by the
         database clock. Updates ``lease.expires_at``. ``False`` if it is no longer ours."""
         seconds = lease.ttl if ttl is None else validate_ttl(ttl)
-        values = {
-            "key": lease.key,
-            "slot": lease.slot,
-            "owner": lease.owner,
-            "ttl": self._sql.seconds_param(seconds),
-        }
-        stmt = self._sql.renew
-        if lease.min_hold:
-            stmt = self._sql.renew_hold
-            values["hold"] = self._sql.seconds_param(lease.min_hold)
-        try:
-            rows, _ = self._db.run(stmt, values)
-        except DatabaseUnavailable as exc:
-            if not exc.statement_sent:
-                raise
-            info = self._reread_or_unknown(lease, "renewing", exc)
-            if info is None or info.owner != lease.owner or not info.held:
-                return False
-            rows, _ = self._db.run(stmt, values)
-        if not rows:
-            if self.history:
-                self._record_end(lease, "lost", "at renewal")
-            return False
-        lease.expires_at = self._sql.to_datetime(rows[0][2])
-        lease.ttl = seconds
-        return True
+        outcome = self._store.renew(lease, seconds)
+        if outcome == "lost" and self.history:
+            self._record_end(lease, "lost", "at renewal")
+        return outcome == "renewed"
 
     def adopt(
         self,
@@ -372,55 +271,27 @@ class TaskGuard(GuardOperations):
         ``None`` if that owner no longer holds the key."""
         key = normalize_key(key)
         seconds = validate_ttl(ttl)
-        hold = 0.0 if min_hold is None or min_hold == 0 else validate_ttl(min_hold, name="min_hold")
-        values = {"key": key, "slot": slot, "owner": owner, "ttl": self._sql.seconds_param(seconds)}
-        stmt = self._sql.renew
-        if hold:
-            stmt = self._sql.renew_hold
-            values["hold"] = self._sql.seconds_param(hold)
-        rows, _ = self._db.run(stmt, values)
-        if not rows:
-            return None
-        token, acquired_at, expires_at = rows[0]
-        return Lease(
-            key,
-            owner,
-            int(token),
-            self._sql.to_datetime(acquired_at),
-            self._sql.to_datetime(expires_at),
-            seconds,
-            slot,
-            hold,
-        )
+        hold = optional_seconds(min_hold, "min_hold")
+        return self._store.adopt(key, owner, slot, seconds, hold)
 
-    def fence(self, lease: Lease, session: Session | Connection) -> int:
+    def fence(self, lease: Lease, session: Any) -> int:
         """:meth:`Lease.fence`: check ``lease`` inside ``session``'s transaction and
         return its token; raises :class:`~taskguard.LeaseLost` if it is not held."""
         return fence(lease, session)
 
-    def _reread_or_unknown(
-        self, lease: Lease, doing: str, cause: DatabaseUnavailable
-    ) -> LockInfo | None:
-        try:
-            return self._read_owner(lease.key, lease.slot, lease.owner)
-        except DatabaseUnavailable:
-            raise OutcomeUnknown(
-                f"connection to {self.url} broke while {doing} {lease.key!r}; "
-                f"outcome unknown (lease expires by {lease.expires_at.isoformat()} at the latest)",
-                lease.key,
-                lease.owner,
-                self.url,
-            ) from cause
+    def is_held_by(self, lease: Lease) -> bool:
+        """Whether ``lease`` is still live by the database clock (one read)."""
+        info = self._store.read_owner(lease.key, lease.slot, lease.owner)
+        return info is not None and info.held
 
     @contextmanager
     def lock(self, key: str, ttl: float | timedelta, **holder_details: Any) -> Iterator[Lease]:
         """``with guard.lock(key, ttl) as lease:`` — raises :class:`LockHeld` (with
         the current holder) if the key is taken; releases on exit. It does not renew:
         keep the body shorter than ``ttl`` or call :meth:`renew`."""
-        lease = self.acquire(key, ttl, **holder_details)
+        lease, holder = self.try_acquire(key, ttl, **holder_details)
         if lease is None:
-            key = normalize_key(key)
-            raise LockHeld(key, self._current_holder(key))
+            raise LockHeld(normalize_key(key), holder)
         try:
             yield lease
         finally:
@@ -430,3 +301,120 @@ class TaskGuard(GuardOperations):
                     lease.key,
                     lease.owner,
                 )
+
+    def _record_end(self, lease: Lease, event: str, when: str) -> None:
+        detail = (
+            f"found expired or taken over {when}"
+            if event == "lost"
+            else (f"key kept until the {lease.min_hold:g}s window ends" if lease.min_hold else None)
+        )
+        self._store.history.record(
+            event, lease.key, lease.slot, lease.owner, lease.token,
+            since=lease.acquired_at, detail=detail,
+        )  # fmt: skip
+
+    # -- inspection and operations ----------------------------------------------
+
+    def get(self, key: str) -> LockInfo | None:
+        """The row for ``key`` (slot 0 for a mutex), live or not; ``None`` if there is
+        none. ``info.held`` says whether it is live by the database clock."""
+        rows = self._store.rows(normalize_key(key))
+        if not rows:
+            return None
+        live = [r for r in rows if r.held]
+        return live[0] if live else rows[0]
+
+    def get_all(self, key: str) -> list[LockInfo]:
+        """Every slot row for ``key`` (several under a concurrency limit)."""
+        return self._store.rows(normalize_key(key))
+
+    def held(
+        self,
+        prefix: str | None = None,
+        *,
+        include_expired: bool = False,
+        limit: int = _DEFAULT_LIMIT,
+    ) -> list[LockInfo]:
+        """Live leases (or every row with ``include_expired``) whose key starts with
+        ``prefix``, ordered by key."""
+        if prefix is not None and not isinstance(prefix, str):
+            raise InvalidKey(f"prefix must be a str, not {type(prefix).__name__}", prefix)
+        return self._store.held(prefix or "", include_expired=include_expired, limit=int(limit))
+
+    def force_release(self, key: str, *, by: str | None = None) -> bool:
+        """Operator override: end every live lease on ``key`` whoever holds it.
+        The holder's next renew/release returns ``False``. ``True`` if one was live.
+        ``by`` names the operator: then each ended lease is recorded in the lock
+        history with that name, even when the guard records no other history."""
+        key = normalize_key(key)
+        ended = self._store.force_release(key)
+        if ended:
+            who = f" by {by}" if by else ""
+            log.warning("force-released %r%s (%d live lease(s))", key, who, len(ended))
+            if self.history or by:
+                for slot, owner, token, holder in ended:
+                    self._store.history.record(
+                        "force_released", key, slot, owner, token, holder,
+                        detail=f"ended by {by or 'an operator'} (force_release)",
+                    )  # fmt: skip
+        return bool(ended)
+
+    def reap(
+        self,
+        *,
+        grace: float | timedelta = 300.0,
+        batch_size: int = 5_000,
+        max_batches: int | None = None,
+        progress: Callable[[int], Any] | None = None,
+    ) -> ReapResult:
+        """Delete rows whose lease ended more than ``grace`` seconds ago, in batches of
+        ``batch_size`` (each its own short transaction). Live leases are never touched;
+        two reapers may run at once. ``progress(removed_so_far)`` is called per batch.
+
+        ``grace`` must exceed the longest an acquire statement can run: the row is
+        what keeps a late, slow acquire from reusing a lower fencing token.
+
+        With lock history on, each removed row is recorded as ``reaped`` and history
+        older than ``history_retention`` is trimmed afterwards.
+        """
+        grace_s = optional_seconds(grace, "grace")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        removed, batches = self._store.reap(
+            grace_s, batch_size, max_batches, self.history, progress
+        )
+        if removed:
+            log.info("reaped %d expired lock row(s) in %d batch(es)", removed, batches)
+        if self.history:
+            self.trim_history(batch_size=batch_size)
+        return ReapResult(removed, batches)
+
+    def trim_history(
+        self, older_than: float | timedelta | None = None, *, batch_size: int = 5_000
+    ) -> int:
+        """Delete lock history older than ``older_than`` seconds (default: the
+        guard's ``history_retention``), in batches. Returns the number removed."""
+        keep = self.history_retention if older_than is None else validate_ttl(older_than)
+        removed = self._store.history.trim(keep, batch_size)
+        if removed:
+            log.info("trimmed %d lock history event(s) older than %gs", removed, keep)
+        return removed
+
+    def events(self, key: str, *, limit: int = 50) -> list[LockEvent]:
+        """The most recent ``limit`` history events of ``key``, oldest first (empty
+        unless some guard records history: ``TaskGuard(..., history=True)``)."""
+        return with_holders(self._store.history.read(normalize_key(key), limit))
+
+    def explain(self, key: str, *, limit: int = 50) -> str:
+        """The recent story of ``key`` as text: who held it, for how long, who was
+        turned away, and its state now (``taskguard explain KEY``)."""
+        key = normalize_key(key)
+        return explain(key, self.events(key, limit=limit), self.get_all(key))
+
+    def db_now(self) -> datetime:
+        """The database clock (UTC), as lock statements see it."""
+        return self._store.db_now()
+
+    def dispose(self) -> None:
+        """Close the guard's connections (only if it created its own engine)."""
+        self._store.dispose()

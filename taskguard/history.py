@@ -2,28 +2,21 @@
 
 With ``TaskGuard(..., history=True)`` every grant, conflict, release, lost lease,
 takeover, operator release and reaped row becomes one row of
-``task_lock_events``. Recording is best-effort: it runs after the lock statement
-has done its work, and a failure to record is logged, never raised, so history
-can never make a lock operation fail. With history off nothing here runs.
+``task_lock_events``. Recording (in :mod:`taskguard.store`) is best-effort: it runs after the lock
+statement has done its work, and a failure to record is logged, never raised, so
+history can never make a lock operation fail. This module reads the story back.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from taskguard.exceptions import TaskGuardError
-from taskguard.lease import Holder, Lease, LockInfo
+from taskguard.lease import Holder, LockInfo
 
-if TYPE_CHECKING:
-    from taskguard.operations import GuardOperations
-
-__all__ = ["EVENTS", "LockEvent", "explain", "record", "record_acquired", "with_holders"]
-
-log = logging.getLogger("taskguard")
+__all__ = ["EVENTS", "LockEvent", "explain", "secs", "with_holders"]
 
 #: Every kind of event, in the words ``taskguard explain`` uses.
 EVENTS = {
@@ -35,7 +28,6 @@ EVENTS = {
     "force_released": "force-released",
     "reaped": "reaped",
 }
-_DETAIL_MAX = 500
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +77,7 @@ class LockEvent:
         if self.duration is not None:
             verb = "waited" if self.event in ("acquired", "conflict") else "held"
             if self.event != "acquired" or self.duration > 0:
-                parts.append(f"{verb} {_secs(self.duration)}")
+                parts.append(f"{verb} {secs(self.duration)}")
         if self.detail:
             parts.append(f"- {self.detail}")
         return " ".join(parts)
@@ -133,77 +125,13 @@ def _who(h: Holder) -> str:
     )
 
 
-def _secs(seconds: float) -> str:
+def secs(seconds: float) -> str:
+    """A duration for people: milliseconds under two minutes, then h/m/s."""
     if seconds < 120:
         return f"{seconds:.3f}s"
-    minutes, secs = divmod(round(seconds), 60)
+    minutes, rest = divmod(round(seconds), 60)
     hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
-
-
-def guarded(run: Callable[..., Any], *args: Any) -> None:
-    """Run a history statement; log instead of raising if it fails."""
-    try:
-        run(*args)
-    except TaskGuardError as exc:
-        log.warning("could not record lock history: %s", exc)
-
-
-def record(
-    guard: GuardOperations,
-    event: str,
-    key: str,
-    slot: int,
-    owner: str | None,
-    token: int | None,
-    holder: Holder | None = None,
-    *,
-    since: datetime | None = None,
-    duration: float | None = None,
-    detail: str | None = None,
-) -> None:
-    """Record one event. ``duration`` is taken as given, else measured by the
-    database clock from ``since`` to now (``None`` if neither)."""
-    sql = guard._sql
-    h = holder or Holder()
-    values = {
-        "key": key,
-        "slot": slot,
-        "event": event,
-        "owner": owner,
-        "token": token,
-        "duration": duration,
-        "since": None if since is None else sql.ts_param(since),
-        "task_name": h.task_name,
-        "task_id": h.task_id,
-        "hostname": h.hostname,
-        "pid": h.pid,
-        "detail": detail[:_DETAIL_MAX] if detail else None,
-    }
-    guarded(guard._db.run, sql.record_event, values)
-
-
-def record_acquired(
-    guard: GuardOperations, lease: Lease, values: dict[str, Any], waited: float | None
-) -> None:
-    """Record a grant, and ``taken_over`` for the slot's previous grant if that one
-    ended without being released (found from history, in the same statement)."""
-    detail = f"throttle window {_secs(lease.min_hold)}" if lease.min_hold else None
-    params = {
-        "key": lease.key,
-        "slot": lease.slot,
-        "event": "acquired",
-        "owner": lease.owner,
-        "token": lease.token,
-        "duration": waited or 0.0,
-        "since": None,
-        "task_name": values["task_name"],
-        "task_id": values["task_id"],
-        "hostname": values["hostname"],
-        "pid": values["pid"],
-        "detail": detail,
-    }
-    guarded(guard._db.run, guard._sql.record_acquired, params)
+    return f"{hours}h{minutes:02d}m{rest:02d}s" if hours else f"{minutes}m{rest:02d}s"
 
 
 def explain(key: str, events: Sequence[LockEvent], rows: Sequence[LockInfo]) -> str:
@@ -223,13 +151,13 @@ def explain(key: str, events: Sequence[LockEvent], rows: Sequence[LockInfo]) -> 
             who = _who(r.holder)
             lines.append(
                 f"  slot {r.slot}: owner {r.owner} token {r.token}"
-                f"{f' ({who})' if who else ''}, held for {_secs(r.held_for.total_seconds())}, "
-                f"expires in {_secs(r.expires_in.total_seconds())}"
+                f"{f' ({who})' if who else ''}, held for {secs(r.held_for.total_seconds())}, "
+                f"expires in {secs(r.expires_in.total_seconds())}"
             )
     elif rows:
         last = max(rows, key=lambda r: r.expires_at)
         ago = -last.expires_in.total_seconds()
-        lines.append(f"now: free (last lease, owner {last.owner}, ended {_secs(ago)} ago)")
+        lines.append(f"now: free (last lease, owner {last.owner}, ended {secs(ago)} ago)")
     else:
         lines.append("now: free (no row)")
     return "\n".join(lines)

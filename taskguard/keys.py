@@ -11,14 +11,17 @@ import hashlib
 import math
 from datetime import timedelta
 
-from taskguard.exceptions import InvalidArgument, InvalidKey, InvalidTTL
+from taskguard.exceptions import ConfigurationError, InvalidArgument, InvalidKey, InvalidTTL
 
 __all__ = [
     "MAX_KEY_LENGTH",
+    "MAX_LIMIT",
     "MAX_TTL",
     "MIN_TTL",
     "normalize_key",
+    "optional_seconds",
     "validate_holder",
+    "validate_limit",
     "validate_ttl",
 ]
 
@@ -31,6 +34,8 @@ _PREFIX_CHARS = MAX_KEY_LENGTH - _DIGEST_CHARS - 1
 MIN_TTL = 0.001
 #: Longest lease: one year. Longer "locks" are configuration, not leases.
 MAX_TTL = 366 * 24 * 3600.0
+#: Largest concurrency limit: each acquire looks at up to this many slot rows.
+MAX_LIMIT = 1000
 
 
 def normalize_key(key: object) -> str:
@@ -122,3 +127,17 @@ def validate_holder(
             raise InvalidArgument(
                 f"{name} must be an int from 0 to {top}, got {value!r}", name, value
             )
+
+
+def validate_limit(limit: object, slot: int = 0) -> int:
+    """A concurrency limit: an int from 1 to :data:`MAX_LIMIT`, not combined with a slot."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+        raise ConfigurationError(f"limit must be an int from 1 to {MAX_LIMIT}, got {limit!r}")
+    if limit > 1 and slot != 0:
+        raise ConfigurationError("pass either limit= (any free slot) or slot=, not both")
+    return limit
+
+
+def optional_seconds(value: object, name: str) -> float:
+    """``0.0`` for ``None`` or 0, else :func:`validate_ttl`'s seconds."""
+    return 0.0 if value is None or value == 0 else validate_ttl(value, name=name)

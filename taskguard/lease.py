@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import Any, NamedTuple
 
-if TYPE_CHECKING:
-    from sqlalchemy.engine import Connection
-    from sqlalchemy.orm import Session
+from taskguard.fencing import fence
 
-__all__ = ["Holder", "Lease", "LockInfo"]
+__all__ = ["Attempt", "Holder", "Lease", "LockInfo"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,16 +41,15 @@ class Lease:
     slot: int = 0
     min_hold: float = 0.0
 
-    def fence(self, session: Session | Connection) -> int:
+    def fence(self, session: Any) -> int:
         """Prove, inside ``session``'s current transaction, that this lease is still
         held (owner and expiry checked by the database clock); returns the token.
 
         Raises :class:`~taskguard.LeaseLost` if it is not, so the transaction's
         writes never commit. Until that transaction ends, nobody can take the
-        lease over (see :func:`taskguard.fencing.fence`).
+        lease over (see :func:`taskguard.fencing.fence`: a SQLAlchemy Session or
+        Connection, or Django's connection inside ``transaction.atomic()``).
         """
-        from taskguard.fencing import fence
-
         return fence(self, session)
 
     def to_dict(self) -> dict[str, object]:
@@ -148,3 +145,13 @@ class LockInfo:
             "held_for_seconds": round(self.held_for.total_seconds(), 3),
             "expires_in_seconds": round(self.expires_in.total_seconds(), 3),
         }
+
+
+class Attempt(NamedTuple):
+    """What :meth:`taskguard.TaskGuard.try_acquire` found: the granted ``lease``, or
+    (``lease is None``) the ``holder`` read when the key turned out to be held.
+    ``holder`` is ``None`` on a grant, and on a conflict whose holder released before
+    it could be read."""
+
+    lease: Lease | None
+    holder: LockInfo | None

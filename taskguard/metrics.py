@@ -15,7 +15,14 @@ Metrics (label ``task`` is the Celery task name, ``none`` outside Celery):
   ``expired`` when the lease had already ended or been taken over
 * ``taskguard_leases_lost_total{task, reason}``
 * ``taskguard_locks_reaped_total{task}``: rows the reaper removed
+* ``taskguard_late_copies_dropped_total{task}``: copies of a finished task id dropped
+  without running (a broker redelivery)
 * ``taskguard_lock_hold_seconds{task}``: histogram of how long leases were held
+* ``taskguard_runs_deferred_total{task, reason}``: starts put off without a worker
+  slot (reason ``rate``: over ``rate=``; ``coalesce``: a pending run re-checking a
+  busy key)
+* ``taskguard_runs_coalesced_total{task, replaced}``: submissions merged into the
+  key's pending run (``replaced="true"``: a pending run replaced by a newer one)
 
 Under a prefork worker each child process counts its own; use prometheus_client's
 multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``) to export them together.
@@ -29,7 +36,16 @@ from datetime import timedelta
 from typing import Any
 
 from taskguard.exceptions import ConfigurationError
-from taskguard.signals import lease_lost, lock_acquired, lock_conflict, lock_released, locks_reaped
+from taskguard.signals import (
+    late_copy_dropped,
+    lease_lost,
+    lock_acquired,
+    lock_conflict,
+    lock_released,
+    locks_reaped,
+    run_coalesced,
+    run_deferred,
+)
 
 __all__ = ["HOLD_BUCKETS", "TaskGuardMetrics", "install", "uninstall"]
 
@@ -102,6 +118,24 @@ class TaskGuardMetrics:
         self.reaped = prom.Counter(
             "locks_reaped", "Expired lock rows deleted by the reaper.", ["task"], **common
         )
+        self.dropped = prom.Counter(
+            "late_copies_dropped",
+            "Copies of a finished task id dropped without running.",
+            ["task"],
+            **common,
+        )
+        self.deferred = prom.Counter(
+            "runs_deferred",
+            "Starts put off without holding a worker slot (rate, coalesce).",
+            ["task", "reason"],
+            **common,
+        )
+        self.coalesced = prom.Counter(
+            "runs_coalesced",
+            "Submissions merged into (or replacing) the key's pending run.",
+            ["task", "replaced"],
+            **common,
+        )
         self.hold_seconds = prom.Histogram(
             "lock_hold_seconds",
             "How long leases were held.",
@@ -133,6 +167,16 @@ class TaskGuardMetrics:
     def on_reaped(self, sender: Any = None, count: Any = 0, **kwargs: Any) -> None:
         self.reaped.labels(task=_task_label(sender)).inc(max(int(count or 0), 0))
 
+    def on_dropped(self, sender: Any = None, **kwargs: Any) -> None:
+        self.dropped.labels(task=_task_label(sender)).inc()
+
+    def on_deferred(self, sender: Any = None, reason: Any = None, **kwargs: Any) -> None:
+        self.deferred.labels(task=_task_label(sender), reason=_bounded(reason)).inc()
+
+    def on_coalesced(self, sender: Any = None, replaced: Any = False, **kwargs: Any) -> None:
+        label = "true" if replaced else "false"
+        self.coalesced.labels(task=_task_label(sender), replaced=label).inc()
+
     def _pairs(self) -> list[tuple[Any, Any, str]]:
         return [
             (lock_acquired, self.on_acquired, "acquired"),
@@ -140,6 +184,9 @@ class TaskGuardMetrics:
             (lock_released, self.on_released, "released"),
             (lease_lost, self.on_lost, "lost"),
             (locks_reaped, self.on_reaped, "reaped"),
+            (late_copy_dropped, self.on_dropped, "dropped"),
+            (run_deferred, self.on_deferred, "deferred"),
+            (run_coalesced, self.on_coalesced, "coalesced"),
         ]
 
     def connect(self) -> None:
@@ -155,6 +202,9 @@ class TaskGuardMetrics:
             self.released,
             self.lost,
             self.reaped,
+            self.dropped,
+            self.deferred,
+            self.coalesced,
             self.hold_seconds,
         ):
             self.registry.unregister(metric)

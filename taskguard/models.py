@@ -22,6 +22,7 @@ from sqlalchemy import (
     SmallInteger,
     String,
 )
+from sqlalchemy.dialects import mysql
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
@@ -30,6 +31,8 @@ __all__ = [
     "EVENTS_TABLE",
     "HELD_VIEW",
     "LOCKS_TABLE",
+    "MARIADB_DIALECTS",
+    "MARIADB_TABLE_OPTIONS",
     "RELEASE_CHANNEL",
     "SQLITE_TOKEN_TABLE",
     "TOKEN_SEQUENCE",
@@ -50,6 +53,19 @@ HELD_VIEW = "task_locks_held"
 TOKEN_SEQUENCE = "task_locks_token_seq"
 #: SQLite has no sequences: a one-row high-water mark kept by a trigger.
 SQLITE_TOKEN_TABLE = "task_locks_token_counter"
+#: SQLAlchemy dialect names of MariaDB (``mysql+…://`` and ``mariadb+…://`` URLs).
+MARIADB_DIALECTS = ("mysql", "mariadb")
+#: MariaDB table options: InnoDB, and a byte-exact collation for keys and owners
+#: (``utf8mb4_bin`` pads: it would make ``'a'`` and ``'a '`` one key).
+MARIADB_TABLE_OPTIONS = {
+    f"{prefix}_{option}": value
+    for prefix in ("mysql", "mariadb")  # the dialect's name, per URL scheme
+    for option, value in (
+        ("engine", "InnoDB"),
+        ("charset", "utf8mb4"),
+        ("collate", "utf8mb4_nopad_bin"),
+    )
+}
 #: taskguard's own Alembic version table; the application's ``alembic_version`` is never touched.
 VERSION_TABLE = "taskguard_alembic_version"
 
@@ -67,12 +83,18 @@ metadata = MetaData(
 class UTCDateTime(TypeDecorator[datetime]):
     """Timezone-aware UTC datetimes on every backend.
 
-    PostgreSQL stores ``timestamptz``; SQLite stores ISO text, which comes back
-    naive and is tagged UTC here (taskguard only ever writes UTC there).
+    PostgreSQL stores ``timestamptz``; SQLite stores ISO text and MariaDB
+    ``DATETIME(6)``, both naive UTC, tagged UTC here when read (taskguard only
+    ever writes UTC there).
     """
 
     impl = DateTime(timezone=True)
     cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> Any:
+        if dialect.name in MARIADB_DIALECTS:
+            return dialect.type_descriptor(mysql.DATETIME(fsp=6))
+        return dialect.type_descriptor(self.impl)
 
     def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
         if value is None:
@@ -80,7 +102,8 @@ class UTCDateTime(TypeDecorator[datetime]):
         if value.tzinfo is None:
             raise ValueError("taskguard stores timezone-aware datetimes only")
         value = value.astimezone(timezone.utc)
-        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+        naive = dialect.name == "sqlite" or dialect.name in MARIADB_DIALECTS
+        return value.replace(tzinfo=None) if naive else value
 
     def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
         if value is None:
@@ -107,6 +130,7 @@ class TaskLock(Base):
     moves ``expires_at`` to now, and the reaper deletes long-expired rows."""
 
     __tablename__ = LOCKS_TABLE
+    __table_args__ = MARIADB_TABLE_OPTIONS
 
     key: Mapped[str] = mapped_column(String(255), primary_key=True)
     #: 0 for a mutex; 0..N-1 for a concurrency limit of N.
@@ -148,6 +172,7 @@ class TaskLockEvent(Base):
     __table_args__ = (
         Index("ix_task_lock_events_key_at", "key", "at"),
         Index("ix_task_lock_events_at", "at"),
+        MARIADB_TABLE_OPTIONS,
     )
 
     id: Mapped[int] = mapped_column(_EventId, primary_key=True, autoincrement=True)

@@ -17,9 +17,9 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import URL, Engine, create_engine, make_url
+from sqlalchemy import URL, Connection, Engine, create_engine
 
-from taskguard._db import mask_url, translate_error
+from taskguard.dialects import dialect_for
 from taskguard.exceptions import ConfigurationError
 from taskguard.models import (
     HELD_VIEW,
@@ -28,16 +28,20 @@ from taskguard.models import (
     TOKEN_SEQUENCE,
     VERSION_TABLE,
 )
+from taskguard.store.errors import translate_error
+from taskguard.urls import mask_url, parse_url
 
 __all__ = [
     "BRANCH_LABEL",
     "TASKGUARD_OBJECTS",
     "alembic_config",
+    "check_supported",
     "current",
     "downgrade",
     "exclude_taskguard_objects",
     "head",
     "include_taskguard_object",
+    "managed_by_application",
     "migrations_dir",
     "sql",
     "upgrade",
@@ -45,6 +49,8 @@ __all__ = [
 ]
 
 BRANCH_LABEL = "taskguard"
+#: Oldest MariaDB with everything the lock SQL uses (sequences, INSERT … RETURNING, JSON_TABLE).
+MARIADB_MIN = (10, 6)
 #: Every database object taskguard's migrations create.
 TASKGUARD_OBJECTS = frozenset(
     {LOCKS_TABLE, HELD_VIEW, TOKEN_SEQUENCE, SQLITE_TOKEN_TABLE, VERSION_TABLE, "task_lock_events"}
@@ -92,6 +98,28 @@ def exclude_taskguard_objects(
     return table is None or table.name not in TASKGUARD_OBJECTS
 
 
+def check_supported(conn: Connection) -> None:
+    """Raise :class:`ConfigurationError` unless taskguard supports this database.
+    Called before Alembic creates its version table, so a refusal leaves nothing behind."""
+    dialect = conn.dialect
+    if dialect.name in ("postgresql", "sqlite"):
+        return
+    if dialect.name in ("mysql", "mariadb"):
+        version = tuple(dialect.server_version_info or ())
+        mariadb = bool(getattr(dialect, "is_mariadb", False))
+        if mariadb and version >= MARIADB_MIN:
+            return
+        raise ConfigurationError(
+            f"taskguard needs MariaDB 10.6 or newer; this server is "
+            f"{'MariaDB' if mariadb else 'MySQL'} {'.'.join(map(str, version))} "
+            "(MySQL has no sequences for fencing tokens)"
+        )
+    raise ConfigurationError(
+        f"taskguard supports postgresql, sqlite and mariadb, not {dialect.name}: "
+        "point --database-url at one of those"
+    )
+
+
 def alembic_config(url: str | URL | None = None, *, stdout: Any = None) -> Config:
     """An Alembic :class:`~alembic.config.Config` for taskguard's migrations.
 
@@ -109,7 +137,12 @@ def _engine(url_or_engine: str | URL | Engine) -> tuple[Engine, bool]:
     if isinstance(url_or_engine, Engine):
         return url_or_engine, False
     try:
-        return create_engine(make_url(url_or_engine)), True
+        parsed = parse_url(url_or_engine)
+        try:
+            connect_args = dialect_for(parsed.get_backend_name()).connect_args(parsed)
+        except ConfigurationError:
+            connect_args = {}  # not a lock database taskguard knows: let SQLAlchemy say so
+        return create_engine(parsed, connect_args=connect_args), True
     except Exception as exc:
         raise ConfigurationError(
             f"invalid database URL {mask_url(url_or_engine)!r}: {exc}"
@@ -151,6 +184,23 @@ def current(url_or_engine: str | URL | Engine) -> list[str]:
         with engine.connect() as conn:
             ctx = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
             return sorted(ctx.get_current_heads())
+    except Exception as exc:
+        raise translate_error(exc, mask_url(engine.url)) from exc
+    finally:
+        if owned:
+            engine.dispose()
+
+
+def managed_by_application(url_or_engine: str | URL | Engine) -> list[str]:
+    """taskguard's revisions recorded in the application's own ``alembic_version``
+    (way 2 of docs/alembic.md: taskguard's revisions in the application's history);
+    empty when taskguard's schema is not managed there."""
+    ours = {rev.revision for rev in ScriptDirectory.from_config(alembic_config()).walk_revisions()}
+    engine, owned = _engine(url_or_engine)
+    try:
+        with engine.connect() as conn:
+            ctx = MigrationContext.configure(conn)  # the default table: alembic_version
+            return sorted(set(ctx.get_current_heads()) & ours)
     except Exception as exc:
         raise translate_error(exc, mask_url(engine.url)) from exc
     finally:

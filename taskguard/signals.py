@@ -1,4 +1,6 @@
-"""Celery-style signals taskguard sends. Connect like any Celery signal::
+"""Celery-style signals taskguard sends (from :mod:`taskguard.celery`; this module
+only declares them, so receivers can connect without importing the glue).
+Connect like any Celery signal::
 
     from taskguard.signals import lock_conflict
 
@@ -13,7 +15,16 @@ from __future__ import annotations
 
 from celery.utils.dispatch import Signal
 
-__all__ = ["lease_lost", "lock_acquired", "lock_conflict", "lock_released", "locks_reaped"]
+__all__ = [
+    "late_copy_dropped",
+    "lease_lost",
+    "lock_acquired",
+    "lock_conflict",
+    "lock_released",
+    "locks_reaped",
+    "run_coalesced",
+    "run_deferred",
+]
 
 #: A lease was granted. kwargs: ``key``, ``lease``.
 lock_acquired = Signal(name="taskguard.lock_acquired")
@@ -28,3 +39,15 @@ lock_released = Signal(name="taskguard.lock_released")
 lease_lost = Signal(name="taskguard.lease_lost")
 #: The reaper removed expired rows. kwargs: ``count``.
 locks_reaped = Signal(name="taskguard.locks_reaped")
+#: A copy of a message whose task id already finished was dropped without running
+#: (see taskguard.celery.completions). kwargs: ``key``, ``task_id``.
+late_copy_dropped = Signal(name="taskguard.late_copy_dropped")
+#: A start was put off without taking a worker slot: published again with a countdown.
+#: kwargs: ``key``, ``task_id``, ``reason`` ("rate": over ``rate=``; "coalesce": the
+#: pending run of ``on_conflict="coalesce"`` waits for the running one), ``countdown``.
+run_deferred = Signal(name="taskguard.run_deferred")
+#: A submission of an ``on_conflict="coalesce"`` task was merged into the key's
+#: pending run instead of being published. kwargs: ``key``, ``task_id`` (the merged
+#: submission), ``into`` (the pending run's task id), ``replaced`` (True when the
+#: submission's arguments replaced the pending run's: it is the new pending run).
+run_coalesced = Signal(name="taskguard.run_coalesced")

@@ -4,13 +4,14 @@ A waiter first *announces* itself on the key's rows (one UPDATE): it raises the
 row's ``wanted_until`` to its deadline, and if it has waited longest it becomes
 ``next_owner``. Then:
 
-* PostgreSQL (psycopg): it LISTENs on a dedicated connection, opened before the
+* PostgreSQL (psycopg): it LISTENs on a dedicated connection (the dialect's
+  listener), opened before the
   announcement so no release can slip between the two. A trigger NOTIFYs only
   when a lease ends early on a row with ``wanted_until`` set, so without waiters
   releases never notify (and never take NOTIFY's global commit lock). The waiter
   also wakes when the holder's lease would expire on its own (a crashed holder
   never releases), and re-checks every :data:`RECHECK` seconds at most.
-* SQLite (or another driver): backoff polling, from :data:`POLL_MIN` up to
+* Dialects without wake-ups (SQLite): backoff polling, from :data:`POLL_MIN` up to
   :data:`POLL_MAX` seconds, never past the holder's expiry.
 
 Fairness: for :data:`~taskguard.dialects.RESERVE_GRACE` seconds after a lease ends
@@ -24,84 +25,34 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
 
 from taskguard.dialects import RESERVE_GRACE
 from taskguard.exceptions import TaskGuardError
-from taskguard.models import RELEASE_CHANNEL
-
-if TYPE_CHECKING:
-    from sqlalchemy import Engine
-
-    from taskguard.guard import TaskGuard
-    from taskguard.lease import Lease
+from taskguard.lease import Lease
+from taskguard.store import Store, WaitRow
 
 __all__ = ["POLL_MAX", "POLL_MIN", "RECHECK", "wait_for"]
 
 log = logging.getLogger("taskguard")
 
-#: Polling (no LISTEN/NOTIFY): first and longest sleep between attempts, seconds.
+#: Polling (no wake-ups): first and longest sleep between attempts, seconds.
 POLL_MIN = 0.01
 POLL_MAX = 0.5
-#: With LISTEN/NOTIFY: longest sleep without a re-check (a lost notification,
-#: or a lease shortened by a renewal with a smaller ttl, costs at most this).
+#: With wake-ups: longest sleep without a re-check (a lost notification, or a
+#: lease shortened by a renewal with a smaller ttl, costs at most this).
 RECHECK = 5.0
 # Wake a little after a lease's expiry, so the retry sees it expired.
 _AFTER_EXPIRY = 0.002
 
 
-class _Listener:
-    """A dedicated PostgreSQL connection LISTENing for releases, out of the pool."""
-
-    def __init__(self, engine: Engine) -> None:
-        raw = engine.raw_connection()
-        try:
-            conn: Any = raw.driver_connection
-            raw.detach()  # its LISTEN must never leak back into the pool
-            conn.autocommit = True
-            conn.execute(f"LISTEN {RELEASE_CHANNEL}")
-        except BaseException:
-            raw.close()
-            raise
-        self._raw = raw
-        self._conn = conn
-
-    def wait(self, key: str, timeout: float) -> bool:
-        """Block until a release of ``key`` is notified (``True``) or ``timeout``."""
-        end = time.monotonic() + timeout
-        while (left := end - time.monotonic()) > 0:
-            for note in self._conn.notifies(timeout=left, stop_after=1):
-                if note.payload == key:
-                    return True
-        return False
-
-    def close(self) -> None:
-        try:
-            self._raw.close()
-        except Exception:  # pragma: no cover - closing a broken connection
-            log.debug("closing the release listener failed", exc_info=True)
-
-
-def _listener(guard: TaskGuard) -> _Listener | None:
-    engine = guard.engine
-    if guard.dialect_name != "postgresql" or engine.dialect.driver != "psycopg":
-        return None
-    try:
-        return _Listener(engine)
-    except Exception as exc:
-        log.warning("cannot LISTEN for releases on %s (%s); polling instead", guard.url, exc)
-        return None
-
-
-def _next_try(rows: list[tuple[Any, ...]], limit: int, owner: str, guard: TaskGuard) -> float:
-    """Seconds until an attempt can succeed, judged from the announce's rows
-    (slot, owner, expires_at, next_owner, now); 0 means try now."""
+def _next_try(rows: list[WaitRow], limit: int, owner: str) -> float:
+    """Seconds until an attempt can succeed, judged from the announce's rows; 0
+    means try now."""
     if len(rows) < limit:
         return 0.0  # a slot has no live (or reserved) row
-    conv = guard._sql.to_datetime
     waits = []
     for _slot, row_owner, expires_at, next_owner, now in rows:
-        left = (conv(expires_at) - conv(now)).total_seconds()
+        left = (expires_at - now).total_seconds()
         if left > 0:
             waits.append(left + _AFTER_EXPIRY)
         elif next_owner in (None, owner, row_owner):
@@ -112,7 +63,7 @@ def _next_try(rows: list[tuple[Any, ...]], limit: int, owner: str, guard: TaskGu
 
 
 def wait_for(
-    guard: TaskGuard,
+    store: Store,
     attempt: Callable[[], Lease | None],
     key: str,
     owner: str,
@@ -121,29 +72,18 @@ def wait_for(
 ) -> Lease | None:
     """Retry ``attempt`` (an acquire as ``owner`` of one of ``slots``) until it
     grants or ``timeout`` seconds pass; the first attempt has already failed."""
-    sql = guard._sql
     deadline = time.monotonic() + timeout
-    listener = _listener(guard)
-    since: Any = None
+    listener = store.listener()
+    since: object = None
     announced = False
     lease: Lease | None = None
     quick = 0
     poll = POLL_MIN
     try:
         while (remaining := deadline - time.monotonic()) > 0:
-            values = {
-                "key": key,
-                "first": slots.start,
-                "n": slots.stop,
-                "owner": owner,
-                "since": since,
-                "wait": sql.seconds_param(remaining),
-            }
-            rows, _ = guard._db.run(sql.announce, values)
+            rows, since = store.announce(key, slots, owner, since, remaining)
             announced = True
-            if rows and since is None:
-                since = rows[0][4]  # the database's "now" of our first announcement
-            delay = _next_try(rows, len(slots), owner, guard)
+            delay = _next_try(rows, len(slots), owner)
             if delay <= 0:
                 # Free by the database's word; a second miss in a row (a lost race)
                 # backs off so two waiters never spin against each other.
@@ -168,7 +108,7 @@ def wait_for(
         if announced and (lease is None or len(slots) > 1):
             # Give up our place in line (or, holding one slot, on the other rows).
             try:
-                guard._db.run(sql.withdraw, {"key": key, "owner": owner})
+                store.withdraw(key, owner)
             except TaskGuardError as exc:
                 log.debug("could not withdraw waiter %s on %r: %s", owner, key, exc)
         if listener is not None:

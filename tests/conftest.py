@@ -3,9 +3,13 @@
 PostgreSQL: taskguard's migrations run once into a template database; each test
 gets ``CREATE DATABASE … TEMPLATE`` (tens of milliseconds) and drops it after.
 SQLite: a migrated file is copied per test.
+MariaDB: migrations run once into a template database; each test gets a fresh
+database whose tables, sequence and view are copied from it (``CREATE TABLE …
+LIKE``: ~0.2 s, a third of running the migrations) and drops it after.
 
-When PostgreSQL is unreachable the tests that need it FAIL (never skip), unless
-TASKGUARD_ALLOW_NO_PG=1 is set for a local run without a server.
+When PostgreSQL or MariaDB is unreachable the tests that need it FAIL (never
+skip), unless TASKGUARD_ALLOW_NO_PG=1 / TASKGUARD_ALLOW_NO_MARIADB=1 is set for
+a local run without that server.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -24,6 +29,9 @@ from taskguard import TaskGuard, schema
 
 PG_URL = os.environ.get(
     "TASKGUARD_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+MARIADB_URL = os.environ.get(
+    "TASKGUARD_TEST_MARIADB_URL", "mysql+mysqldb://root@127.0.0.1:3306/test?charset=utf8mb4"
 )
 REDIS_URL = os.environ.get("TASKGUARD_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 AMQP_URL = os.environ.get("TASKGUARD_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
@@ -116,11 +124,13 @@ def sqlite_url(sqlite_template: Path, tmp_path: Path) -> str:
     return f"sqlite:///{path}"
 
 
-@pytest.fixture(params=["postgresql", "sqlite"])
+_URL_FIXTURES = {"postgresql": "pg_url", "sqlite": "sqlite_url", "mariadb": "maria_url"}
+
+
+@pytest.fixture(params=list(_URL_FIXTURES))
 def db_url(request: pytest.FixtureRequest) -> str:
     """Each test using this runs once per supported database."""
-    fixture = "pg_url" if request.param == "postgresql" else "sqlite_url"
-    return str(request.getfixturevalue(fixture))
+    return str(request.getfixturevalue(_URL_FIXTURES[request.param]))
 
 
 @pytest.fixture
@@ -135,3 +145,102 @@ def pg_guard(pg_url: str) -> Iterator[TaskGuard]:
     g = TaskGuard(pg_url)
     yield g
     g.dispose()
+
+
+def _maria_admin() -> Any:
+    import MySQLdb
+
+    u = make_url(MARIADB_URL)
+    return MySQLdb.connect(
+        host=u.host or "127.0.0.1",
+        port=u.port or 3306,
+        user=u.username or "root",
+        password=u.password or "",
+        autocommit=True,
+        connect_timeout=5,
+    )
+
+
+def _maria_url(database: str) -> str:
+    return make_url(MARIADB_URL).set(database=database).render_as_string(hide_password=False)
+
+
+@pytest.fixture(scope="session")
+def maria_template() -> Iterator[str]:
+    """Name of a migrated MariaDB template database (created once per test session)."""
+    try:
+        admin = _maria_admin()
+    except Exception as exc:
+        if os.environ.get("TASKGUARD_ALLOW_NO_MARIADB") == "1":
+            pytest.skip(f"MariaDB unreachable at {MARIADB_URL}: {exc}")
+        pytest.fail(
+            f"MariaDB is required at {MARIADB_URL} (set TASKGUARD_TEST_MARIADB_URL), "
+            f"but it is unreachable: {exc}",
+            pytrace=False,
+        )
+    name = f"tg_tpl_{os.environ.get('PYTEST_XDIST_WORKER', 'main')}_{os.getpid()}"
+    cur = admin.cursor()
+    cur.execute(f"DROP DATABASE IF EXISTS `{name}`")
+    cur.execute(f"CREATE DATABASE `{name}`")
+    schema.upgrade(_maria_url(name))
+    yield name
+    cur.execute(f"DROP DATABASE IF EXISTS `{name}`")
+    admin.close()
+
+
+def new_maria_database(template: str | None) -> str:
+    """Create a fresh MariaDB database (a copy of ``template``'s objects, or empty); its URL."""
+    name = f"tg_{uuid.uuid4().hex[:12]}"
+    admin = _maria_admin()
+    try:
+        cur = admin.cursor()
+        cur.execute(f"CREATE DATABASE `{name}`")
+        if template:
+            cur.execute(
+                "SELECT TABLE_NAME, TABLE_TYPE FROM information_schema.TABLES"
+                " WHERE TABLE_SCHEMA = %s",
+                (template,),
+            )
+            objects = cur.fetchall()
+            for table, kind in objects:
+                if kind != "VIEW":  # tables and the sequence (a SEQUENCE copies as one)
+                    cur.execute(f"CREATE TABLE `{name}`.`{table}` LIKE `{template}`.`{table}`")
+            cur.execute(
+                f"INSERT INTO `{name}`.taskguard_alembic_version"
+                f" SELECT * FROM `{template}`.taskguard_alembic_version"
+            )
+            cur.execute(
+                "SELECT TABLE_NAME, VIEW_DEFINITION FROM information_schema.VIEWS"
+                " WHERE TABLE_SCHEMA = %s",
+                (template,),
+            )
+            for view, definition in cur.fetchall():
+                body = definition.replace(f"`{template}`.", f"`{name}`.")
+                cur.execute(f"CREATE VIEW `{name}`.`{view}` AS {body}")
+    finally:
+        admin.close()
+    return _maria_url(name)
+
+
+def drop_maria_database(url: str) -> None:
+    admin = _maria_admin()
+    try:
+        admin.cursor().execute(f"DROP DATABASE IF EXISTS `{make_url(url).database}`")
+    finally:
+        admin.close()
+
+
+@pytest.fixture
+def maria_url(maria_template: str) -> Iterator[str]:
+    """URL of a migrated, empty MariaDB database private to this test."""
+    url = new_maria_database(maria_template)
+    yield url
+    drop_maria_database(url)
+
+
+@pytest.fixture
+def empty_maria_url(maria_template: str) -> Iterator[str]:
+    """URL of an empty MariaDB database (no taskguard schema) private to this test."""
+    url = new_maria_database(None)
+    yield url
+    drop_maria_database(url)

@@ -13,18 +13,32 @@ from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
+from sqlalchemy.dialects import mysql
 
 revision: str = "tg0002"
 down_revision: str | None = "tg0001"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
+# MariaDB: DATETIME(6) (plain DATETIME drops the fractional seconds).
+_TS = sa.DateTime(timezone=True).with_variant(mysql.DATETIME(fsp=6), "mysql", "mariadb")
 _WAITER_COLUMNS = (
-    ("wanted_until", sa.DateTime(timezone=True)),
+    ("wanted_until", _TS),
     ("next_owner", sa.String(32)),
-    ("next_since", sa.DateTime(timezone=True)),
-    ("next_until", sa.DateTime(timezone=True)),
+    ("next_since", _TS),
+    ("next_until", _TS),
 )
+_MARIADB = ("mysql", "mariadb")
+#: As tg0001's: byte-exact keys.
+_MARIADB_TABLE = {
+    f"{prefix}_{option}": value
+    for prefix in ("mysql", "mariadb")  # the dialect's name, per URL scheme
+    for option, value in (
+        ("engine", "InnoDB"),
+        ("charset", "utf8mb4"),
+        ("collate", "utf8mb4_nopad_bin"),
+    )
+}
 
 # A release (expires_at moved earlier) NOTIFYs only while a waiter has announced
 # itself (wanted_until later than the new expiry). Without waiters the WHEN clause
@@ -49,9 +63,9 @@ EXECUTE FUNCTION taskguard_notify_release()
 
 def upgrade() -> None:
     dialect = op.get_bind().dialect.name
-    if dialect not in ("postgresql", "sqlite"):
+    if dialect not in ("postgresql", "sqlite", *_MARIADB):
         raise NotImplementedError(
-            f"taskguard migrations support postgresql and sqlite, not {dialect}"
+            f"taskguard migrations support postgresql, sqlite and mariadb, not {dialect}"
         )
     for name, type_ in _WAITER_COLUMNS:
         op.add_column("task_locks", sa.Column(name, type_, nullable=True))
@@ -65,7 +79,7 @@ def upgrade() -> None:
             sa.BigInteger().with_variant(sa.Integer(), "sqlite"),
             autoincrement=True,
         ),
-        sa.Column("at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("at", _TS, nullable=False),
         sa.Column("key", sa.String(255), nullable=False),
         sa.Column("slot", sa.SmallInteger(), nullable=False),
         sa.Column("event", sa.String(16), nullable=False),
@@ -78,6 +92,7 @@ def upgrade() -> None:
         sa.Column("pid", sa.Integer(), nullable=True),
         sa.Column("detail", sa.String(500), nullable=True),
         sa.PrimaryKeyConstraint("id", name="pk_task_lock_events"),
+        **(_MARIADB_TABLE if dialect in _MARIADB else {}),
     )
     op.create_index("ix_task_lock_events_key_at", "task_lock_events", ["key", "at"])
     op.create_index("ix_task_lock_events_at", "task_lock_events", ["at"])

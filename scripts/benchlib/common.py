@@ -30,6 +30,12 @@ class Env:
     redis_url: str
     amqp_url: str
     quick: bool
+    #: SQLAlchemy URL of any database on the MariaDB server (scratch databases are made there).
+    mariadb_url: str = field(
+        default_factory=lambda: os.environ.get(
+            "TASKGUARD_BENCH_MARIADB_URL", "mysql://root@127.0.0.1:3306/mysql"
+        )
+    )
     run_id: str = field(default_factory=lambda: f"{os.getpid()}_{uuid.uuid4().hex[:6]}")
 
     def pick(self, quick: Any, full: Any) -> Any:
@@ -125,6 +131,32 @@ def scratch_db(env: Env, tag: str, *, migrate: bool = True) -> Iterator[str]:
         yield url
     finally:
         drop_database(env, name)
+
+
+def _maria_admin(env: Env) -> Any:
+    import MySQLdb
+
+    u = make_url(env.mariadb_url)
+    return MySQLdb.connect(
+        host=u.host or "127.0.0.1", port=u.port or 3306, user=u.username or "root",
+        password=u.password or "", autocommit=True, connect_timeout=10,
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def maria_scratch_db(env: Env, tag: str) -> Iterator[str]:
+    """A fresh, migrated MariaDB database for one benchmark; yields its URL, drops it after."""
+    name = f"tgbench_{tag}_{env.run_id}"
+    conn = _maria_admin(env)
+    try:
+        conn.cursor().execute(f"DROP DATABASE IF EXISTS `{name}`")
+        conn.cursor().execute(f"CREATE DATABASE `{name}`")
+        url = make_url(env.mariadb_url).set(database=name).render_as_string(hide_password=False)
+        schema.upgrade(url)
+        yield url
+    finally:
+        conn.cursor().execute(f"DROP DATABASE IF EXISTS `{name}`")
+        conn.close()
 
 
 def drop_leftovers(env: Env) -> None:

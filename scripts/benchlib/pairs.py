@@ -13,14 +13,31 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import ExitStack
+from typing import Any
 
 import psycopg
+from chaoslib.pgbouncer import PgBouncer
+from sqlalchemy.engine import make_url
 
-from benchlib.common import Env, Row, latency_ms, libpq_url, not_run, now_ns, scratch_db
+from benchlib.common import (
+    Env,
+    Row,
+    latency_ms,
+    libpq_url,
+    maria_scratch_db,
+    not_run,
+    now_ns,
+    scratch_db,
+)
 from taskguard import TaskGuard
 from taskguard.dialects import lock_sql_for
 
 TTL = 60.0
+# On a direct connection taskguard prepares named statements (psycopg's threshold, 5);
+# through a pooler it sends unnamed ones. A threshold never reached forces the latter
+# here, to show what the pooler-safe mode costs on the same connection.
+_UNNAMED: dict[str, Any] = {"connect_args": {"prepare_threshold": 2**31 - 1}}
 
 
 class Contestant:
@@ -101,11 +118,11 @@ class RawSql(Contestant):
 
 
 class TaskGuardPair(Contestant):
-    """taskguard through its public API."""
+    """taskguard through its public API (``engine_kwargs`` go to TaskGuard)."""
 
-    def __init__(self, row: Row, url: str, *, durable: bool) -> None:
+    def __init__(self, row: Row, url: str, *, durable: bool, **engine_kwargs: Any) -> None:
         super().__init__(row)
-        self.guard = TaskGuard(url, durable=durable)
+        self.guard = TaskGuard(url, durable=durable, **engine_kwargs)
         self.key = f"bench:pair:{row.id}"
 
     def pair(self) -> None:
@@ -117,6 +134,80 @@ class TaskGuardPair(Contestant):
 
     def close(self) -> None:
         self.guard.dispose()
+
+
+class MariaSelectOne(Contestant):
+    """The MariaDB floor: two ``SELECT 1`` round trips on mysqlclient (no write, no commit)."""
+
+    def __init__(self, row: Row, url: str) -> None:
+        super().__init__(row)
+        self.conn = _maria_connect(url)
+        self.cur = self.conn.cursor()
+
+    def pair(self) -> None:
+        cur = self.cur
+        cur.execute("SELECT 1")
+        cur.fetchall()
+        cur.execute("SELECT 1")
+        cur.fetchall()
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def _maria_connect(url: str, driver: str = "mysqlclient") -> Any:
+    import MySQLdb
+    import pymysql
+
+    from taskguard.dialects.mysql import SESSION_SETUP
+
+    u = make_url(url)
+    conn = (MySQLdb if driver == "mysqlclient" else pymysql).connect(
+        host=u.host or "127.0.0.1", port=u.port or 3306, user=u.username or "root",
+        password=u.password or "", database=u.database, charset="utf8mb4", autocommit=True,
+    )  # fmt: skip
+    cur = conn.cursor()
+    for stmt in SESSION_SETUP:  # the session taskguard's own connections get
+        cur.execute(stmt)
+    cur.close()
+    return conn
+
+
+class MariaRawSql(Contestant):
+    """taskguard's MariaDB acquire and release SQL text, issued by hand with mysqlclient:
+    the one-statement upsert (granted iff RETURNING shows our owner) and the release."""
+
+    def __init__(self, row: Row, url: str, driver: str = "mysqlclient") -> None:
+        super().__init__(row)
+        from sqlalchemy import create_engine
+
+        engine = create_engine(url)
+        sql = lock_sql_for(engine.dialect)
+        engine.dispose()
+        self.acquire, self.release = sql.acquire, sql.release
+        self.conn = _maria_connect(url, driver)
+        self.cur = self.conn.cursor()
+        self.key = f"bench:pair:{row.id}"
+        self.hostname, self.pid = socket.gethostname(), os.getpid()
+
+    def pair(self) -> None:
+        cur = self.cur
+        owner = uuid.uuid4().hex
+        values = {
+            "key": self.key, "slot": 0, "owner": owner, "ttl": int(TTL * 1e6),
+            "task_name": None, "task_id": None, "hostname": self.hostname, "pid": self.pid,
+        }  # fmt: skip
+        cur.execute(self.acquire.sql, self.acquire.params(values))
+        got = cur.fetchone()
+        if got is None or got[0] != owner:
+            raise RuntimeError(f"raw acquire of {self.key} was not granted")
+        release = self.release
+        cur.execute(release.sql, release.params({"key": self.key, "slot": 0, "owner": owner}))
+        if cur.rowcount != 1:
+            raise RuntimeError(f"raw release of {self.key} matched {cur.rowcount} rows")
+
+    def close(self) -> None:
+        self.conn.close()
 
 
 class PgAdvisory(Contestant):
@@ -204,9 +295,15 @@ def rows() -> list[Row]:
         r("pg_floor", "floor: 2x SELECT 1 (PostgreSQL)", None),
         r("raw_sql", "raw SQL upsert+release, psycopg prepared", "pg_floor"),
         r("taskguard", "taskguard acquire+release", "raw_sql"),
+        r("taskguard_unnamed", "taskguard, unnamed statements (as via a pooler)", "taskguard"),
+        r("taskguard_pgbouncer_tx", "taskguard via PgBouncer (transaction)", "taskguard"),
         r("raw_sql_relaxed", "raw SQL, synchronous_commit=off", "pg_floor"),
         r("taskguard_relaxed", "taskguard durable=False", "raw_sql_relaxed"),
         r("pg_advisory", "pg_try_advisory_lock + unlock", "pg_floor"),
+        r("maria_floor", "floor: 2x SELECT 1 (MariaDB, mysqlclient)", None),
+        r("maria_raw_sql", "raw SQL upsert+release, MariaDB, mysqlclient", "maria_floor"),
+        r("maria_taskguard", "taskguard acquire+release, MariaDB", "maria_raw_sql"),
+        r("maria_raw_pymysql", "same raw SQL on PyMySQL (driver choice)", "maria_raw_sql"),
         r("redis_floor", "floor: 2x PING (Redis)", None),
         r("celery_once", "celery-once Redis backend", "redis_floor"),
         r("celery_singleton", "celery-singleton Redis backend", "redis_floor"),
@@ -216,11 +313,28 @@ def rows() -> list[Row]:
 def run(env: Env) -> list[Row]:
     out = rows()
     rounds, per_round, warmup = env.pick((2, 150, 20), (6, 1500, 100))
-    with scratch_db(env, "pairs") as url:
+    with ExitStack() as stack:
+        url = stack.enter_context(scratch_db(env, "pairs"))
+        bouncer: list[PgBouncer] = []
+
+        def via_pgbouncer(row: Row) -> Contestant:
+            # Transaction pooling, pool of 5: how most Django/Celery sites reach PostgreSQL.
+            if not bouncer:
+                port = make_url(url).port or 5432
+                bouncer.append(stack.enter_context(PgBouncer(port, pool_mode="transaction")))
+            return TaskGuardPair(row, bouncer[0].via(url), durable=True)
+
+        maria = stack.enter_context(maria_scratch_db(env, "pairs"))
         makers: dict[str, Callable[[Row], Contestant]] = {
+            "pair.maria_floor": lambda row: MariaSelectOne(row, maria),
+            "pair.maria_raw_sql": lambda row: MariaRawSql(row, maria),
+            "pair.maria_taskguard": lambda row: TaskGuardPair(row, maria, durable=True),
+            "pair.maria_raw_pymysql": lambda row: MariaRawSql(row, maria, "pymysql"),
             "pair.pg_floor": lambda row: PgSelectOne(row, url),
             "pair.raw_sql": lambda row: RawSql(row, url, durable=True),
             "pair.taskguard": lambda row: TaskGuardPair(row, url, durable=True),
+            "pair.taskguard_unnamed": lambda row: TaskGuardPair(row, url, durable=True, **_UNNAMED),
+            "pair.taskguard_pgbouncer_tx": via_pgbouncer,
             "pair.raw_sql_relaxed": lambda row: RawSql(row, url, durable=False),
             "pair.taskguard_relaxed": lambda row: TaskGuardPair(row, url, durable=False),
             "pair.pg_advisory": lambda row: PgAdvisory(row, url),

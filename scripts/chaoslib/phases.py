@@ -19,6 +19,7 @@ from typing import Any
 from chaoslib.checker import Report
 from chaoslib.cluster import ThrowawayCluster
 from chaoslib.durability import durability_round
+from chaoslib.failover import failover_round
 from chaoslib.faults import MODES, OPS, fault_round
 from chaoslib.holders import killed_holder_round, paused_holder_round
 from chaoslib.proxy import FaultProxy
@@ -108,6 +109,39 @@ def negative_controls(cluster: ThrowawayCluster, *, grants: int) -> Figures:
     }
 
 
+def mariadb_holders(server: Any, *, rounds: int) -> Figures:
+    """SIGKILLed renewing holders on MariaDB: the key is granted again within ttl + 1 s."""
+    url = _fresh(server, "holders")
+    worst, late = 0.0, 0
+    for i in range(rounds):
+        k = killed_holder_round(url, f"kill{i}", ttl=1.0)
+        worst = max(worst, k.regranted_after)
+        late += k.regranted_after > k.ttl + 1.0
+    return {
+        "sigkill_rounds": rounds,
+        "sigkill_worst_regrant_s": round(worst, 3),
+        "violations": late,
+    }
+
+
+def mariadb_durability(server: Any, *, rounds: int) -> Figures:
+    """Acknowledged grants survive a SIGKILL of the MariaDB server (durable mode only:
+    MariaDB has no relaxed-commit mode in taskguard)."""
+    url = _fresh(server, "durability")
+    out: Figures = Counter()
+    for _ in range(rounds):
+        r = durability_round(server, url, durable=True, grants=50)
+        out["durable.acknowledged"] += r.acknowledged
+        out["durable.survived"] += r.survived
+        out["durable.tokens_reissued"] += r.tokens_reissued
+        out["faults.crash_restarts"] += 1
+    figures = dict(out)
+    figures["violations"] = (
+        out["durable.acknowledged"] - out["durable.survived"] + out["durable.tokens_reissued"]
+    )
+    return figures
+
+
 def durability(cluster: ThrowawayCluster, *, rounds: int) -> Figures:
     url = _fresh(cluster, "durability")
     out: Figures = Counter()
@@ -173,6 +207,34 @@ def faults(cluster: ThrowawayCluster, *, rounds: int) -> Figures:
         proxied.dispose()
         direct.dispose()
     return dict(out)
+
+
+def failover(*, rounds: int, seconds: float) -> Figures:
+    """Failover to a synchronous standby (must lose nothing), then the asynchronous
+    negative control (expected to lose acknowledged grants: ``expected_*``)."""
+    out: Figures = Counter()
+    control: Figures = Counter()
+    examples: dict[str, list[str]] = {}
+    for i in range(rounds):
+        sync = failover_round(sync=True, before=seconds, after=seconds, seed=i)
+        out.update(sync.counts)
+        out["failovers"] += 1
+        examples.update({k: v for k, v in sync.violations.items() if v})
+    for i in range(max(1, rounds // 2)):
+        asyn = failover_round(sync=False, before=seconds, after=seconds, seed=100 + i)
+        control.update({k: v for k, v in asyn.counts.items()})
+        control["failovers"] += 1
+    figures: Figures = {k: v for k, v in sorted(out.items()) if not k.startswith("violations.")}
+    figures["violations"] = sum(v for k, v in out.items() if k.startswith("violations."))
+    figures.update(
+        {f"violations.{k[11:]}": v for k, v in out.items() if k.startswith("violations.")}
+    )
+    if examples:
+        figures["examples"] = examples
+    figures["async_control"] = dict(sorted(control.items()))
+    figures["expected_async_lost_acknowledged"] = control["lost_acknowledged_grants"]
+    figures["control_blind"] = int(control["lost_acknowledged_grants"] == 0)
+    return figures
 
 
 _STATS = re.compile(r"- (\d+) passing examples, (\d+) failing examples, (\d+) invalid")

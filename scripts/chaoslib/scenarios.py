@@ -16,13 +16,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, select
 
 from chaoslib.checker import Report, check
 from chaoslib.cluster import ThrowawayCluster
 from chaoslib.history import read_history
 from chaoslib.resource import Resource
 from chaoslib.workers import Plan, contend, reap_loop
+from taskguard.models import TaskLock
 
 
 def db_tokens(url: str, limit: int = 1) -> dict[str, int]:
@@ -30,7 +31,9 @@ def db_tokens(url: str, limit: int = 1) -> dict[str, int]:
     engine = create_engine(url)
     try:
         with engine.connect() as conn:
-            rows = conn.execute(text("SELECT key, slot, token FROM task_locks")).all()
+            locks = TaskLock.__table__
+            query = select(locks.c.key, locks.c.slot, locks.c.token)
+            rows = conn.execute(query).all()
         return {(str(k) if limit == 1 else f"{k}/{s}"): int(t) for k, s, t in rows}
     finally:
         engine.dispose()

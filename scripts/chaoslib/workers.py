@@ -40,6 +40,8 @@ class Plan:
     #: acquire(..., wait=) seconds: queue for the key instead of spinning.
     wait: float | None = None
     seed: int = 0
+    #: Extra keyword arguments for each contender's TaskGuard (engine options).
+    engine_kwargs: dict[str, Any] | None = None
 
     def resource_keys(self) -> list[str]:
         if self.limit == 1:
@@ -51,7 +53,7 @@ class _Contender:
     def __init__(self, plan: Plan, worker: int, outdir: Path) -> None:
         self.plan = plan
         self.rng = random.Random(plan.seed * 1000 + worker)
-        self.guard = TaskGuard(plan.url, durable=plan.durable)
+        self.guard = TaskGuard(plan.url, durable=plan.durable, **(plan.engine_kwargs or {}))
         self.resource = Resource(plan.url)
         self.rec = Recorder(outdir / f"worker-{worker}.jsonl", worker)
         self.grants = 0

@@ -4,7 +4,7 @@ See docs/guide.md for the user guide (lock phases, conflict strategies, keys,
 TTL and renewal, retries, eager mode, fencing tokens, signals, configuration).
 """
 
-from taskguard.celery import worker as _worker  # noqa: F401  (connects the revoke hook)
+from taskguard.celery import startup as _startup  # noqa: F401  (connects the start-up check)
 from taskguard.celery.decorator import guarded_task
 from taskguard.celery.keys import KeyDeriver, args_digest, canonical
 from taskguard.celery.options import CONFLICT_STRATEGIES, LOCK_PHASES

@@ -8,7 +8,13 @@ from typing import Any, overload
 from celery import shared_task
 
 from taskguard.celery.keys import KeyOption
-from taskguard.celery.options import build_options, signature_of
+from taskguard.celery.options import (
+    ATTR_PREFIX,
+    GuardOptions,
+    option_defaults,
+    signature_of,
+    split_options,
+)
 from taskguard.celery.task import GuardedTask
 from taskguard.exceptions import ConfigurationError
 
@@ -35,26 +41,17 @@ def guarded_task(
     limit: int = 1,
     min_hold: Any = None,
     wait_timeout: Any = None,
+    stop_on_lease_loss: bool = False,
+    rate: Any = None,
+    coalesce_replace: bool = False,
+    debounce: Any = None,
+    debounce_max: Any = None,
     **options: Any,
 ) -> Callable[[Callable[..., Any]], Any]: ...
 
 
 def guarded_task(
-    fun: Callable[..., Any] | None = None,
-    /,
-    *,
-    app: Any = None,
-    key: KeyOption = None,
-    key_args: Iterable[str] | None = None,
-    ttl: Any = None,
-    queue_ttl: Any = None,
-    lock: str = "run",
-    on_conflict: str = "skip",
-    retry_countdown: Any = None,
-    limit: int = 1,
-    min_hold: Any = None,
-    wait_timeout: Any = None,
-    **options: Any,
+    fun: Callable[..., Any] | None = None, /, *, app: Any = None, **options: Any
 ) -> Any:
     """Define a Celery task that runs at most once at a time per lock key.
 
@@ -80,7 +77,10 @@ def guarded_task(
     ``on_conflict``
         ``"skip"``, ``"raise"``, ``"retry"``, ``"existing"`` (queue phases) or
         ``"wait"`` (``lock="run"``: block the worker until the key is free, then run;
-        skipped if it is still held after ``wait_timeout``).
+        skipped if it is still held after ``wait_timeout``) or ``"coalesce"``
+        (``lock="run"``: at most one running and one pending run per key; a
+        submission while one is pending is merged into it, see
+        :mod:`taskguard.celery.pending`).
     ``retry_countdown``
         Countdown of ``on_conflict="retry"``; default: until the holder's lease ends.
     ``limit``
@@ -92,6 +92,26 @@ def guarded_task(
     ``wait_timeout``
         Longest wait of ``on_conflict="wait"``; default:
         ``app.conf.taskguard_wait_timeout`` (300 s).
+    ``stop_on_lease_loss``
+        ``True``: raise :class:`~taskguard.LeaseLost` inside the body once its lease
+        is lost (prefork/solo: at once, also out of a sleep; threads: at the next
+        Python bytecode; gevent/eventlet: not at all). Default ``False``: the body
+        runs on and :func:`check_lease` raises.
+    ``rate``
+        ``"N/period"`` (``"3/2s"``, ``"10/m"``): at most N runs *started* per key in
+        any sliding window of ``period`` (database clock); a start over the rate is
+        deferred until a slot frees, never dropped. Does not limit concurrency.
+    ``coalesce_replace``
+        With ``on_conflict="coalesce"``: a submission while one is pending replaces
+        the pending run (newest arguments) instead of merging into it.
+    ``debounce``
+        Seconds: one run this long after the key's last submission, with the last
+        submission's arguments (earlier ones return the ``coalesced`` marker).
+    ``debounce_max``
+        With ``debounce``: under a steady stream, still run at least once per this
+        many seconds.
+
+    The options are the fields of :class:`~taskguard.celery.options.GuardOptions`.
 
     Options are checked here: a bad value raises :class:`ConfigurationError` naming
     the task and the option when the module is imported.
@@ -101,25 +121,15 @@ def guarded_task(
         raise ConfigurationError(
             f"guarded_task(base=...) must derive from GuardedTask, not {base!r}"
         )
-    ours = {
-        "key": key,
-        "key_args": key_args,
-        "ttl": ttl,
-        "queue_ttl": queue_ttl,
-        "lock": lock,
-        "on_conflict": on_conflict,
-        "retry_countdown": retry_countdown,
-        "limit": limit,
-        "min_hold": min_hold,
-        "wait_timeout": wait_timeout,
-    }
+    # Every option is set on the task, so a base class's taskguard_* never leaks in.
+    ours = {**option_defaults(), **split_options(options)}
 
     def decorate(func: Callable[..., Any]) -> Any:
         if not callable(func):
             raise ConfigurationError(f"@guarded_task must decorate a function, not {func!r}")
         name = options.get("name") or f"{func.__module__}.{func.__name__}"
-        build_options(name, signature_of(func, bind=bool(options.get("bind"))), **ours)
-        attrs = {f"taskguard_{k}": v for k, v in ours.items()}
+        GuardOptions.build(name, signature_of(func, bind=bool(options.get("bind"))), **ours)
+        attrs = {ATTR_PREFIX + k: v for k, v in ours.items()}
         if app is not None:
             return app.task(base=base, **attrs, **options)(func)
         return shared_task(base=base, **attrs, **options)(func)

@@ -18,8 +18,14 @@ import logging
 from typing import Any
 
 from taskguard import signals
-from taskguard.celery import common
-from taskguard.celery.common import claim_key
+from taskguard.celery.leasing import (
+    acquire_or_holder,
+    claim_key,
+    held_seconds,
+    release_quietly,
+    send_released,
+)
+from taskguard.celery.taskids import stored_task_id
 from taskguard.guard import TaskGuard
 from taskguard.lease import Lease, LockInfo
 
@@ -37,25 +43,25 @@ def start_queue_phase(
     handed = header.get("lease")
     if isinstance(handed, dict):
         lease = Lease.from_dict(handed)
-        released = common.release_quietly(guard, lease)
-        common.send_released(task, lease, released, common.held_seconds(lease))
+        released = release_quietly(guard, lease)
+        send_released(task, lease, released, held_seconds(lease))
         return False, None
     if not header.get("deferred"):
         return False, None
     limit = task.taskguard_options.limit
     # No min_hold here: releasing a probe must not start a throttle window.
-    probe, holder = common.acquire_or_holder(
+    probe, holder = acquire_or_holder(
         guard,
         key,
         task._ttl(),
         task_name=task.name,
-        task_id=request.id,
+        task_id=stored_task_id(request.id),
         hostname=request.hostname,
         **({"limit": limit} if limit != 1 else {}),
     )
     if probe is None:
         return True, holder
-    common.release_quietly(guard, probe)
+    release_quietly(guard, probe)
     return False, None
 
 
@@ -65,9 +71,14 @@ def take_over(
     """Adopt the lease carried in the message: (lease, claim, False, None); or
     (None, None, True, holder) when another delivery of this task id runs it; or
     (None, None, False, None) when the hand-off lapsed (it expired while queued)."""
-    ckey = claim_key(key, request.id)
-    claim, holder = common.acquire_or_holder(
-        guard, ckey, ttl, task_name=task.name, task_id=request.id, hostname=request.hostname
+    stored_id = stored_task_id(request.id)
+    claim, holder = acquire_or_holder(
+        guard,
+        claim_key(key, stored_id),
+        ttl,
+        task_name=task.name,
+        task_id=stored_id,
+        hostname=request.hostname,
     )
     if claim is None:
         return None, None, True, holder
@@ -80,7 +91,7 @@ def take_over(
     )
     if lease is None:
         log.info("hand-off of lock %r to %s[%s] lapsed; acquiring", key, task.name, request.id)
-        common.release_quietly(guard, claim)
+        release_quietly(guard, claim)
         return None, None, False, None
     signals.lock_acquired.send(sender=task, key=key, lease=lease)
     return lease, claim, False, None

@@ -160,6 +160,11 @@ class KeyDeriver:
                 "(key_args selects the arguments of the default, digested key)"
             )
         if isinstance(key, str):
+            if not key.strip():
+                raise ConfigurationError(
+                    f"task {task_name}: key={key!r} is empty: give a template such as "
+                    "'feed:{feed_url}', a callable, or leave key out (one lock per arguments)"
+                )
             self.template = key
             self._check_template(key)
         elif callable(key):

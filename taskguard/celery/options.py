@@ -1,47 +1,170 @@
-"""taskguard's own task options, checked once when the task is defined."""
+"""taskguard's own task options, declared once (:class:`GuardOptions`).
+
+The dataclass's option fields are the single list of names and defaults: the
+decorator splits its keyword arguments by them, :class:`GuardedTask` gets one
+``taskguard_<name>`` attribute per field, and :meth:`GuardOptions.build` checks
+them once when the task is defined. (The decorator's typed overload repeats the
+names for type checkers; a unit test keeps it equal to the fields.)
+"""
 
 from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any
 
 from taskguard.celery.keys import KeyDeriver, KeyOption
+from taskguard.celery.rate import Rate, parse_rate
 from taskguard.exceptions import ConfigurationError, InvalidTTL
-from taskguard.guard import MAX_LIMIT
-from taskguard.keys import validate_ttl
+from taskguard.keys import validate_limit, validate_ttl
 
-__all__ = ["CONFLICT_STRATEGIES", "LOCK_PHASES", "GuardOptions", "build_options", "signature_of"]
+__all__ = [
+    "ATTR_PREFIX",
+    "CONFLICT_STRATEGIES",
+    "LOCK_PHASES",
+    "OPTION_NAMES",
+    "GuardOptions",
+    "build_options",
+    "option_defaults",
+    "signature_of",
+    "split_options",
+]
 
 #: When the lock is held: while the body runs; from enqueue until a worker starts
 #: it; or from enqueue until the body finishes.
 LOCK_PHASES = ("run", "queue", "queue_and_run")
 #: What a submission does when the key is held.
-CONFLICT_STRATEGIES = ("skip", "raise", "retry", "existing", "wait")
+CONFLICT_STRATEGIES = ("skip", "raise", "retry", "existing", "wait", "coalesce")
+#: Task attribute of option ``name``: ``taskguard_<name>``.
+ATTR_PREFIX = "taskguard_"
+
+
+def _seconds(task: str, name: str, value: object) -> float | None:
+    if value is None:
+        return None
+    try:
+        return validate_ttl(value, name=name)
+    except InvalidTTL as exc:
+        raise ConfigurationError(f"task {task}: {exc}") from None
+
+
+def _countdown(task: str, name: str, value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ConfigurationError(
+            f"task {task}: retry_countdown must be a non-negative number of seconds, got {value!r}"
+        )
+    return float(value)
+
+
+def _as_is(task: str, name: str, value: object) -> Any:
+    return value  # checked with the other options (see _check_combinations, KeyDeriver)
+
+
+def _limit(task: str, name: str, value: object) -> int:
+    try:
+        return validate_limit(value)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"task {task}: {exc}") from None
+
+
+def _flag(task: str, name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"task {task}: {name} must be True or False, got {value!r}")
+    return value
+
+
+def _rate(task: str, name: str, value: object) -> Rate | None:
+    return parse_rate(task, value)
+
+
+def _checked_by(check: Callable[[str, str, Any], Any]) -> dict[str, Any]:
+    """Field metadata of an option: how its raw value is checked (task, name, value)."""
+    return {"check": check}
 
 
 @dataclass(frozen=True)
 class GuardOptions:
-    """The validated taskguard options of one task."""
+    """taskguard's options of one task: declared here once, validated by :meth:`build`."""
 
-    lock: str
-    on_conflict: str
+    #: Lock key: ``None`` (task name + digest of all arguments), a template such as
+    #: ``"feed:{feed_url}"``, or a callable taking the task's arguments.
+    key: KeyOption = field(default=None, metadata=_checked_by(_as_is))
+    #: Digest only these arguments (default key form).
+    key_args: tuple[str, ...] | None = field(default=None, metadata=_checked_by(_as_is))
     #: Lease length in seconds; ``None``: the app's ``taskguard_default_ttl``.
-    ttl: float | None
+    ttl: float | None = field(default=None, metadata=_checked_by(_seconds))
     #: Lease length while the message waits in the queue; ``None``: same as the ttl.
-    queue_ttl: float | None
+    queue_ttl: float | None = field(default=None, metadata=_checked_by(_seconds))
+    #: ``"run"``, ``"queue"`` or ``"queue_and_run"``.
+    lock: str = field(default="run", metadata=_checked_by(_as_is))
+    #: ``"skip"``, ``"raise"``, ``"retry"``, ``"existing"``, ``"wait"`` or ``"coalesce"``.
+    on_conflict: str = field(default="skip", metadata=_checked_by(_as_is))
     #: Countdown for ``on_conflict="retry"``; ``None``: the time left on the holder's lease.
-    retry_countdown: float | None
-    keys: KeyDeriver
+    retry_countdown: float | None = field(default=None, metadata=_checked_by(_countdown))
     #: Concurrency limit: at most this many runs per key at once.
-    limit: int = 1
+    limit: int = field(default=1, metadata=_checked_by(_limit))
     #: Throttle window (seconds): the key stays taken this long after each grant.
-    min_hold: float | None = None
+    min_hold: float | None = field(default=None, metadata=_checked_by(_seconds))
     #: Longest wait of ``on_conflict="wait"``; ``None``: ``taskguard_wait_timeout``.
-    wait_timeout: float | None = None
+    wait_timeout: float | None = field(default=None, metadata=_checked_by(_seconds))
+    #: Raise :class:`~taskguard.LeaseLost` inside the body once its lease is lost
+    #: (see taskguard.celery.interrupt for what each pool can do).
+    stop_on_lease_loss: bool = field(default=False, metadata=_checked_by(_flag))
+    #: [coalesce/rate] Per-key start rate, ``"N/period"`` such as ``"3/2s"`` or
+    #: ``"10/m"`` (see taskguard.celery.rate); ``build`` turns it into a :class:`Rate`.
+    rate: str | tuple[int, float] | Rate | None = field(default=None, metadata=_checked_by(_rate))
+    #: [coalesce/rate] ``on_conflict="coalesce"``: a later submission replaces the
+    #: pending run's arguments (it becomes the pending run) instead of merging into it.
+    coalesce_replace: bool = field(default=False, metadata=_checked_by(_flag))
+    #: [debounce] Run once, this many seconds after the key's last submission, with
+    #: its arguments (see taskguard.celery.debounce).
+    debounce: float | None = field(default=None, metadata=_checked_by(_seconds))
+    #: [debounce] Under a steady stream, still run at least once per this many seconds.
+    debounce_max: float | None = field(default=None, metadata=_checked_by(_seconds))
+    #: Computes the key (built from ``key``/``key_args`` and the task's signature).
+    keys: KeyDeriver | None = field(default=None, compare=False)
+
+    @classmethod
+    def build(cls, task_name: str, signature: inspect.Signature, **raw: Any) -> GuardOptions:
+        """Validate raw option values (names as the fields); a :class:`ConfigurationError`
+        naming the task and the option otherwise."""
+        unknown = sorted(set(raw) - set(OPTION_NAMES))
+        if unknown:
+            raise ConfigurationError(f"task {task_name}: unknown taskguard option(s) {unknown}")
+        values = {**_DEFAULTS, **raw}
+        _check_combinations(task_name, values)
+        checked = {
+            f.name: f.metadata["check"](task_name, f.name, values[f.name])
+            for f in fields(cls)
+            if "check" in f.metadata
+        }
+        keys = KeyDeriver(task_name, signature, key=checked["key"], key_args=checked["key_args"])
+        return cls(**{**checked, "key_args": keys.key_args}, keys=keys)
+
+    @classmethod
+    def from_attributes(cls, task: Any) -> GuardOptions:
+        """Validated options from a task's ``taskguard_<name>`` attributes."""
+        raw = {name: getattr(task, ATTR_PREFIX + name) for name in OPTION_NAMES}
+        return cls.build(task.name, inspect.signature(task.run), **raw)
+
+    @property
+    def deriver(self) -> KeyDeriver:
+        """The key deriver (only options made by :meth:`build` have one)."""
+        if self.keys is None:
+            raise ConfigurationError("GuardOptions made without build() cannot derive keys")
+        return self.keys
 
     @property
     def acquire_options(self) -> dict[str, Any]:
@@ -54,6 +177,11 @@ class GuardOptions:
         return extra
 
     @property
+    def pending_runs(self) -> bool:
+        """[coalesce/debounce] Whether a submission may wait as the key's pending run."""
+        return self.on_conflict == "coalesce" or self.debounce is not None
+
+    @property
     def locks_queue(self) -> bool:
         """Whether ``.delay()``/``.apply_async()`` take the lock before publishing."""
         return self.lock in ("queue", "queue_and_run")
@@ -62,6 +190,24 @@ class GuardOptions:
     def locks_run(self) -> bool:
         """Whether the lock is held while the body runs."""
         return self.lock in ("run", "queue_and_run")
+
+
+#: The option names, in declaration order.
+OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(GuardOptions) if "check" in f.metadata)
+_DEFAULTS: dict[str, Any] = {
+    f.name: f.default for f in fields(GuardOptions) if f.name in OPTION_NAMES
+}
+
+
+def option_defaults() -> dict[str, Any]:
+    """``{name: default}`` of every option."""
+    return dict(_DEFAULTS)
+
+
+def split_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Remove taskguard's options from ``options`` (a decorator's keyword arguments)
+    and return them; what is left is Celery's."""
+    return {name: options.pop(name) for name in OPTION_NAMES if name in options}
 
 
 def signature_of(fun: Callable[..., Any], *, bind: bool = False) -> inspect.Signature:
@@ -81,92 +227,68 @@ def signature_of(fun: Callable[..., Any], *, bind: bool = False) -> inspect.Sign
     return sig
 
 
-def _seconds(task: str, name: str, value: object) -> float | None:
-    if value is None:
-        return None
-    try:
-        return validate_ttl(value, name=name)
-    except InvalidTTL as exc:
-        raise ConfigurationError(f"task {task}: {exc}") from None
-
-
-def _countdown(task: str, value: object) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, timedelta):
-        value = value.total_seconds()
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < 0
-    ):
-        raise ConfigurationError(
-            f"task {task}: retry_countdown must be a non-negative number of seconds, got {value!r}"
-        )
-    return float(value)
-
-
-def build_options(
-    task_name: str,
-    signature: inspect.Signature,
-    *,
-    key: KeyOption = None,
-    key_args: Iterable[str] | None = None,
-    ttl: object = None,
-    queue_ttl: object = None,
-    lock: object = "run",
-    on_conflict: object = "skip",
-    retry_countdown: object = None,
-    limit: object = 1,
-    min_hold: object = None,
-    wait_timeout: object = None,
-) -> GuardOptions:
-    """Validate taskguard's options for a task; a :class:`ConfigurationError`
-    naming the task and the option otherwise."""
+def _check_combinations(task: str, values: Mapping[str, Any]) -> None:
+    lock, on_conflict = values["lock"], values["on_conflict"]
     if lock not in LOCK_PHASES:
         raise ConfigurationError(
-            f"task {task_name}: lock={lock!r} is not one of {', '.join(map(repr, LOCK_PHASES))}"
+            f"task {task}: lock={lock!r} is not one of {', '.join(map(repr, LOCK_PHASES))}"
         )
     if on_conflict not in CONFLICT_STRATEGIES:
         raise ConfigurationError(
-            f"task {task_name}: on_conflict={on_conflict!r} is not one of "
+            f"task {task}: on_conflict={on_conflict!r} is not one of "
             f"{', '.join(map(repr, CONFLICT_STRATEGIES))}"
         )
     if on_conflict == "existing" and lock == "run":
         raise ConfigurationError(
-            f"task {task_name}: on_conflict='existing' returns the queued holder's result at "
+            f"task {task}: on_conflict='existing' returns the queued holder's result at "
             "enqueue, so it needs lock='queue' or lock='queue_and_run'"
         )
-    if queue_ttl is not None and lock == "run":
+    if values["queue_ttl"] is not None and lock == "run":
         raise ConfigurationError(
-            f"task {task_name}: queue_ttl applies to lock='queue'/'queue_and_run' only"
+            f"task {task}: queue_ttl applies to lock='queue'/'queue_and_run' only"
         )
-    if retry_countdown is not None and on_conflict != "retry":
+    if values["retry_countdown"] is not None and on_conflict != "retry":
         raise ConfigurationError(
-            f"task {task_name}: retry_countdown applies to on_conflict='retry' only"
-        )
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
-        raise ConfigurationError(
-            f"task {task_name}: limit must be an int from 1 to {MAX_LIMIT}, got {limit!r}"
+            f"task {task}: retry_countdown applies to on_conflict='retry' only"
         )
     if on_conflict == "wait" and lock != "run":
         raise ConfigurationError(
-            f"task {task_name}: on_conflict='wait' blocks a worker until the key is free, "
+            f"task {task}: on_conflict='wait' blocks a worker until the key is free, "
             "so it needs lock='run' (publishers never block)"
         )
-    if wait_timeout is not None and on_conflict != "wait":
+    if values["wait_timeout"] is not None and on_conflict != "wait":
+        raise ConfigurationError(f"task {task}: wait_timeout applies to on_conflict='wait' only")
+    # [coalesce/rate/debounce] combinations
+    if on_conflict == "coalesce" and lock != "run":
         raise ConfigurationError(
-            f"task {task_name}: wait_timeout applies to on_conflict='wait' only"
+            f"task {task}: on_conflict='coalesce' keeps one run pending while one runs, "
+            "so it needs lock='run'"
         )
-    return GuardOptions(
-        lock=str(lock),
-        on_conflict=str(on_conflict),
-        ttl=_seconds(task_name, "ttl", ttl),
-        queue_ttl=_seconds(task_name, "queue_ttl", queue_ttl),
-        retry_countdown=_countdown(task_name, retry_countdown),
-        keys=KeyDeriver(task_name, signature, key=key, key_args=key_args),
-        limit=limit,
-        min_hold=_seconds(task_name, "min_hold", min_hold),
-        wait_timeout=_seconds(task_name, "wait_timeout", wait_timeout),
-    )
+    if values["coalesce_replace"] and on_conflict != "coalesce":
+        raise ConfigurationError(
+            f"task {task}: coalesce_replace applies to on_conflict='coalesce' only"
+        )
+    if values["debounce"] is not None and (lock != "run" or on_conflict != "skip"):
+        raise ConfigurationError(
+            f"task {task}: debounce= decides what a busy key does (the run waits as the "
+            "key's pending run), so it needs lock='run' and no on_conflict"
+        )
+    if values["debounce_max"] is not None:
+        if values["debounce"] is None:
+            raise ConfigurationError(f"task {task}: debounce_max applies with debounce= only")
+        debounce = _seconds(task, "debounce", values["debounce"])
+        cap = _seconds(task, "debounce_max", values["debounce_max"])
+        if debounce is not None and cap is not None and cap < debounce:
+            raise ConfigurationError(
+                f"task {task}: debounce_max ({cap:g}s) must be at least debounce ({debounce:g}s)"
+            )
+    if values["rate"] is not None and lock == "queue":
+        raise ConfigurationError(
+            f"task {task}: rate= counts starts under the run's lock, so it needs "
+            "lock='run' or lock='queue_and_run'"
+        )
+
+
+def build_options(task_name: str, signature: inspect.Signature, **raw: Any) -> GuardOptions:
+    """:meth:`GuardOptions.build` (kept for callers of the earlier function)."""
+    return GuardOptions.build(task_name, signature, **raw)

@@ -27,6 +27,8 @@ import weakref
 from typing import Any
 
 from taskguard import signals
+from taskguard.celery.interrupt import Interrupter
+from taskguard.deadline import call_limit
 from taskguard.exceptions import LeaseLost, TaskGuardError
 from taskguard.guard import TaskGuard
 from taskguard.lease import Lease
@@ -51,6 +53,7 @@ class ActiveRun:
         "claim",
         "guard",
         "handed_over",
+        "interrupter",
         "key",
         "lease",
         "lost",
@@ -77,6 +80,8 @@ class ActiveRun:
         #: Set once a retry message carries the lease on: the run must not release it.
         self.handed_over = False
         self.started = time.monotonic()
+        #: Raises the loss inside the body (stop_on_lease_loss); None: it only records it.
+        self.interrupter: Interrupter | None = None
 
 
 _current: contextvars.ContextVar[ActiveRun | None] = contextvars.ContextVar(
@@ -178,12 +183,16 @@ class Heartbeat:
         """One renewal (on the renewer thread): seconds until the next, or None to stop."""
         lease = self._lease
         sent = time.monotonic()
+        margin = 0.1 * lease.ttl
         try:
-            ok = self._guard.renew(lease)
+            # A renewal that hangs (a commit waiting for a stopped synchronous standby)
+            # must not outlive the lease: it is cut before the local estimate of the
+            # expiry, so the lease is declared lost while the database still holds it.
+            with call_limit(max(MIN_INTERVAL, self._deadline - margin - sent)):
+                ok = self._guard.renew(lease)
         except Exception as exc:  # any failure: we cannot know we still hold it
             if self._stopped:
                 return None
-            margin = 0.1 * lease.ttl
             if time.monotonic() >= self._deadline - margin:
                 self._lose(f"renewal failed until the lease ran out ({exc})")
                 return None
@@ -220,21 +229,26 @@ class Heartbeat:
 
     def _lose(self, reason: str) -> None:
         lease = self._lease
-        lost = LeaseLost(lease.key, lease.owner, reason)
         run = self._run_ref()
+        stopping = run is not None and run.interrupter is not None
+        lost = LeaseLost(lease.key, lease.owner, f"{reason} (token {lease.token})")
         if run is not None:
             run.lost = lost
         log.error(
-            "lost lock %r (owner %s, token %d, task id %s): %s; the task keeps running "
-            "but must not rely on holding the lock",
+            "lost lock %r (owner %s, token %d, task id %s): %s; %s",
             lease.key,
             lease.owner,
             lease.token,
             self._task_id,
             reason,
+            "stopping the task body (stop_on_lease_loss)"
+            if stopping
+            else "the task keeps running but must not rely on holding the lock",
         )
         sender = self._task_ref() if self._task_ref is not None else None
         signals.lease_lost.send(sender=sender, key=lease.key, lease=lease, reason=reason)
+        if run is not None and run.interrupter is not None:
+            run.interrupter.fire(lost)
 
 
 class _Renewer:

@@ -29,25 +29,25 @@ from typing import Any
 
 from celery.exceptions import TimeLimitExceeded, WorkerLostError
 from celery.platforms import signals as platform_signals
-from celery.signals import task_revoked
 from celery.worker.request import Request
+from kombu.asynchronous import get_event_loop
 
-from taskguard.celery import common
-from taskguard.celery.common import claim_key, header_of
+from taskguard.celery import pending
+from taskguard.celery.header import header_of, message_key
+from taskguard.celery.leasing import (
+    claim_key,
+    held_seconds,
+    lease_from_info,
+    release_quietly,
+    send_released,
+)
+from taskguard.celery.taskids import stored_task_id
 from taskguard.config import guard_for
 from taskguard.lease import Lease, LockInfo
 
-__all__ = ["GuardedRequest", "release_dead_run"]
+__all__ = ["GuardedRequest", "release_dead_run", "release_unstarted"]
 
 log = logging.getLogger("taskguard.celery")
-
-
-def _key(task: Any, header: Mapping[str, Any], args: Any, kwargs: Any) -> str:
-    key = header.get("key")
-    if isinstance(key, str) and key:
-        return key
-    derived: str = task.taskguard_options.keys.derive(args, kwargs)
-    return derived
 
 
 #: Seconds after a hard time limit before the main process checks the child's rows
@@ -55,9 +55,11 @@ def _key(task: Any, header: Mapping[str, Any], args: Any, kwargs: Any) -> str:
 HARD_LIMIT_GRACE = 1.0
 
 
-def _live_row(rows: list[LockInfo], task_id: str, pid: int | None = None) -> LockInfo | None:
+def _live_row(
+    rows: list[LockInfo], stored_id: str | None, pid: int | None = None
+) -> LockInfo | None:
     for info in rows:
-        if info.held and info.holder.task_id == task_id and pid in (None, info.holder.pid):
+        if info.held and info.holder.task_id == stored_id and pid in (None, info.holder.pid):
             return info
     return None
 
@@ -78,20 +80,21 @@ def release_dead_run(
     if pid is None:
         return 0
     try:
-        key = _key(task, header, args, kwargs)
+        key = message_key(task.taskguard_options, header, args, kwargs)
+        stored_id = stored_task_id(task_id)
         guard = guard_for(task._get_app())
-        claim = _live_row(guard.get_all(claim_key(key, task_id)), task_id, pid)
+        claim = _live_row(guard.get_all(claim_key(key, stored_id)), stored_id, pid)
         if claim is not None and claim.holder.hostname != nodename:
             claim = None
         count = 0
         for info in guard.get_all(key):
-            if not (info.held and info.holder.task_id == task_id):
+            if not (info.held and info.holder.task_id == stored_id):
                 continue
             own_row = info.holder.hostname == nodename and info.holder.pid == pid
             if not (own_row or claim is not None):
                 continue  # held by another delivery of the same task id
-            lease = common.lease_from_info(info, task.taskguard_options.min_hold)
-            released = common.release_quietly(guard, lease)
+            lease = lease_from_info(info, task.taskguard_options.min_hold)
+            released = release_quietly(guard, lease)
             count += int(released)
             log.warning(
                 "released lock %r held by %s[%s] (pid %s on %s): %s",
@@ -102,46 +105,36 @@ def release_dead_run(
                 nodename,
                 why,
             )
-            common.send_released(
-                task, lease, released, (info.read_at - info.acquired_at).total_seconds()
-            )
+            send_released(task, lease, released, (info.read_at - info.acquired_at).total_seconds())
         if claim is not None:
-            common.release_quietly(guard, common.lease_from_info(claim))
+            release_quietly(guard, lease_from_info(claim))
+        pending.give_up(task, header)  # [coalesce] a dead pending run gives its place back
         return count
     except Exception:
         log.exception("could not release the lock of %s[%s] after %s", task.name, task_id, why)
         return 0
 
 
-def _release_unstarted(task: Any, request: Any, header: Mapping[str, Any]) -> None:
-    """A message discarded before it ran gives back the lease it carried."""
+def release_unstarted(task: Any, request: Any, header: Mapping[str, Any]) -> None:
+    """A message discarded before it ran (revoked, expired) gives back the lease it
+    carried. Connected to ``task_revoked`` by :mod:`taskguard.celery.task`."""
+    pending.give_up(task, header)  # [coalesce] a revoked pending run gives its place back
     handed = header.get("lease")
     if not isinstance(handed, dict):
         return
     try:
         lease = Lease.from_dict(handed)
         guard = guard_for(task._get_app())
+        stored_id = stored_task_id(request.id)
         # If another delivery of this task id adopted the lease and runs, leave it.
-        if _live_row(guard.get_all(claim_key(lease.key, request.id)), request.id) is not None:
+        if _live_row(guard.get_all(claim_key(lease.key, stored_id)), stored_id) is not None:
             return
-        released = common.release_quietly(guard, lease)
+        released = release_quietly(guard, lease)
         if released:
             log.info("released lock %r of revoked %s[%s]", lease.key, task.name, request.id)
-        common.send_released(task, lease, released, common.held_seconds(lease))
+        send_released(task, lease, released, held_seconds(lease))
     except Exception:
         log.exception("could not release the lock of revoked %s[%s]", task.name, request.id)
-
-
-def _on_revoked(
-    sender: Any = None, request: Any = None, terminated: bool = False, **_: Any
-) -> None:
-    from taskguard.celery.task import GuardedTask
-
-    if isinstance(sender, GuardedTask) and request is not None and not terminated:
-        _release_unstarted(sender, request, header_of(request))
-
-
-task_revoked.connect(_on_revoked, weak=False, dispatch_uid="taskguard.celery.worker.revoked")
 
 
 def _is_sigkill(signum: Any) -> bool:
@@ -166,13 +159,17 @@ class GuardedRequest(Request):  # type: ignore[misc]
     def on_timeout(self, soft: bool, timeout: float) -> None:
         super().on_timeout(soft, timeout)
         if not soft:
-            timer = threading.Timer(
-                HARD_LIMIT_GRACE,
-                self._release_dead,
-                (f"hard time limit ({timeout}s) exceeded",),
-            )
-            timer.daemon = True
-            timer.start()
+            why = f"hard time limit ({timeout}s) exceeded"
+            hub: Any = get_event_loop()
+            if hub is not None:
+                # On the worker's own event loop, not a thread: billiard forks the
+                # replacement child from this process, and a child forked while a
+                # thread held a lock (the guard cache's, the pool's) inherits it held.
+                hub.call_later(HARD_LIMIT_GRACE, self._release_dead, why)
+            else:  # a worker without an event loop (e.g. the solo pool)
+                timer = threading.Timer(HARD_LIMIT_GRACE, self._release_dead, (why,))
+                timer.daemon = True
+                timer.start()
 
     def on_failure(
         self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import sys
 
-from taskguard.cli._common import EXIT_USAGE, fail, main_group
 from taskguard.cli.db import db
+from taskguard.cli.errors import EXIT_USAGE, fail
+from taskguard.cli.root import main_group
 
 __all__ = ["cli", "main"]
 
@@ -18,7 +19,12 @@ cli = main_group
 cli.add_command(db)
 
 # Other command groups register themselves on import.
-for _module in ("taskguard.cli.locks", "taskguard.cli.demo", "taskguard.cli.explain"):
+for _module in (
+    "taskguard.cli.locks",
+    "taskguard.cli.demo",
+    "taskguard.cli.explain",
+    "taskguard.cli.check",
+):
     try:
         __import__(_module)
     except ModuleNotFoundError as _exc:  # pragma: no cover - optional pieces

@@ -4,8 +4,8 @@ Celery loads :data:`taskguard_command` through the ``celery.commands`` entry poi
 and runs it with its own root context, whose ``obj`` (Celery's ``CLIContext``)
 carries the app. The subcommands are the very same click commands as the
 ``taskguard`` script; only the default database URL and settings differ: they are
-the app's (``taskguard_database_url``, ``taskguard_reaper_*``, ...). An explicit
-``--database-url`` still wins.
+the app's (``taskguard_database_url``, ``taskguard_durable``, ``taskguard_reaper_*``,
+...; see :func:`taskguard.cli.root.open_guard`). An explicit ``--database-url`` still wins.
 """
 
 from __future__ import annotations
@@ -13,10 +13,8 @@ from __future__ import annotations
 import click
 
 from taskguard.cli import cli
-from taskguard.cli._common import EXIT_USAGE, fail
-from taskguard.cli.locks import CONFIG_ERROR_META
-from taskguard.config import database_url
-from taskguard.exceptions import ConfigurationError
+from taskguard.cli.errors import EXIT_USAGE, fail
+from taskguard.cli.root import CONTEXT_SETTINGS, celery_app
 
 __all__ = ["taskguard_command"]
 
@@ -32,19 +30,9 @@ class _SameCommands(click.Group):
         return cli.get_command(ctx, cmd_name)
 
 
-@click.group("taskguard", cls=_SameCommands)
+@click.group("taskguard", cls=_SameCommands, context_settings=CONTEXT_SETTINGS)
 @click.pass_context
 def taskguard_command(ctx: click.Context) -> None:
     """taskguard lock tools, using this Celery app's taskguard settings."""
-    root = ctx.find_root().obj
-    app = getattr(root, "app", None)
-    if app is None:
+    if celery_app(ctx) is None:
         fail("no Celery app: run as `celery -A proj taskguard ...`", EXIT_USAGE)
-    try:
-        url = database_url(app)
-    except ConfigurationError as exc:
-        # Only an error if the subcommand gets no --database-url either.
-        ctx.meta[CONFIG_ERROR_META] = str(exc)
-    else:
-        # Where taskguard.cli._common.resolve_url looks for a configured URL.
-        root.taskguard_database_url = url

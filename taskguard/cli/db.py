@@ -5,13 +5,35 @@ from __future__ import annotations
 import click
 
 from taskguard import schema
-from taskguard.cli._common import database_url_option, masked, resolve_url, run_or_exit
+from taskguard.cli.errors import EXIT_USAGE, fail, failing_as_one_line
+from taskguard.cli.root import database_url_option, resolve_url
+from taskguard.urls import mask_url
 
 
 @click.group()
 def db() -> None:
     """Create or update taskguard's tables (version table: taskguard_alembic_version;
     your application's alembic_version is never touched)."""
+
+
+def _own_heads(url: str) -> list[str]:
+    """The revisions in taskguard's version table; one line and exit 2 when the
+    application's own Alembic manages taskguard's schema instead (``taskguard db``
+    would then try to create tables that exist)."""
+    with failing_as_one_line(url):
+        heads = schema.current(url)
+        managed = [] if heads else schema.managed_by_application(url)
+    if managed:
+        fail(_managed_there(managed), EXIT_USAGE)
+    return heads
+
+
+def _managed_there(revisions: list[str]) -> str:
+    return (
+        f"taskguard's schema is managed by your application's Alembic (its alembic_version "
+        f"holds {', '.join(revisions)}): run `alembic upgrade heads` there instead of "
+        "`taskguard db` (docs/alembic.md, way 2)"
+    )
 
 
 @db.command()
@@ -21,9 +43,11 @@ def db() -> None:
 def upgrade(ctx: click.Context, database_url: str | None, revision: str) -> None:
     """Apply migrations up to REVISION (default: the newest). Safe to re-run."""
     url = resolve_url(ctx, database_url)
-    run_or_exit(lambda: schema.upgrade(url, revision), url)
-    heads = run_or_exit(lambda: schema.current(url), url)
-    click.echo(f"{masked(url)}: taskguard schema at {', '.join(heads) or 'base'}")
+    _own_heads(url)
+    with failing_as_one_line(url):
+        schema.upgrade(url, revision)
+        heads = schema.current(url)
+    click.echo(f"{mask_url(url)}: taskguard schema at {', '.join(heads) or 'base'}")
 
 
 @db.command()
@@ -34,11 +58,13 @@ def upgrade(ctx: click.Context, database_url: str | None, revision: str) -> None
 def downgrade(ctx: click.Context, database_url: str | None, revision: str, yes: bool) -> None:
     """Revert migrations down to REVISION (default: base, which drops task_locks)."""
     url = resolve_url(ctx, database_url)
+    _own_heads(url)
     if revision == "base" and not yes:
-        click.confirm(f"Drop taskguard's tables from {masked(url)}?", abort=True)
-    run_or_exit(lambda: schema.downgrade(url, revision), url)
-    heads = run_or_exit(lambda: schema.current(url), url)
-    click.echo(f"{masked(url)}: taskguard schema at {', '.join(heads) or 'base'}")
+        click.confirm(f"Drop taskguard's tables from {mask_url(url)}?", abort=True)
+    with failing_as_one_line(url):
+        schema.downgrade(url, revision)
+        heads = schema.current(url)
+    click.echo(f"{mask_url(url)}: taskguard schema at {', '.join(heads) or 'base'}")
 
 
 @db.command()
@@ -47,8 +73,17 @@ def downgrade(ctx: click.Context, database_url: str | None, revision: str, yes: 
 def current(ctx: click.Context, database_url: str | None) -> None:
     """Print the applied revision (or 'base') and the newest available."""
     url = resolve_url(ctx, database_url)
-    heads = run_or_exit(lambda: schema.current(url), url)
+    with failing_as_one_line(url):
+        heads = schema.current(url)
+        managed = [] if heads else schema.managed_by_application(url)
     newest = schema.head()
+    if managed:
+        state = "up to date" if managed == [newest] else f"newest is {newest}"
+        click.echo(
+            f"{', '.join(managed)} ({state}; managed by your application's Alembic: "
+            "alembic upgrade heads)"
+        )
+        return
     state = "up to date" if heads == [newest] else f"newest is {newest}"
     click.echo(f"{', '.join(heads) or 'base'} ({state})")
 
@@ -63,6 +98,6 @@ def sql_(
 ) -> None:
     """Print the DDL an upgrade would run, for review (no connection is made)."""
     url = resolve_url(ctx, database_url)
-    click.echo(
-        run_or_exit(lambda: schema.sql(url, revision, from_revision=from_revision), url), nl=False
-    )
+    with failing_as_one_line(url):
+        text = schema.sql(url, revision, from_revision=from_revision)
+    click.echo(text, nl=False)

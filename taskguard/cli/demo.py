@@ -7,7 +7,8 @@ from pathlib import Path
 
 import click
 
-from taskguard.cli._common import EXIT_USAGE, fail, main_group
+from taskguard.cli.errors import EXIT_USAGE, fail
+from taskguard.cli.root import main_group
 from taskguard.exceptions import TaskGuardError
 
 __all__ = ["demo"]
@@ -97,9 +98,13 @@ def demo(
     try:
         outcome = run_demo(options, echo=click.echo)
     except TaskGuardError as exc:
-        fail(str(exc), EXIT_USAGE)
+        fail(exc, EXIT_USAGE, url=database_url)
     except Exception as exc:
         if verbose:
             raise
-        fail(f"demo failed: {type(exc).__name__}: {exc} (--verbose shows where)", EXIT_USAGE)
+        fail(
+            f"demo failed: {type(exc).__name__}: {exc} (--verbose shows where)",
+            EXIT_USAGE,
+            url=database_url,
+        )
     sys.exit(outcome.exit_code)

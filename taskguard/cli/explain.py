@@ -10,29 +10,14 @@ import json
 
 import click
 
-from taskguard.cli._common import (
-    EXIT_NOT_FOUND,
-    database_url_option,
-    fail,
-    main_group,
-    resolve_url,
-    run_or_exit,
-)
-from taskguard.guard import TaskGuard
-from taskguard.history import LockEvent
+from taskguard.cli.errors import EXIT_NOT_FOUND, fail, failing_as_one_line
+from taskguard.cli.root import database_url_option, main_group, open_guard
+from taskguard.companions import describe_companions
+from taskguard.display import printable, printable_event, printable_info
 from taskguard.history import explain as render
 from taskguard.keys import normalize_key
-from taskguard.lease import LockInfo
 
 __all__ = ["explain"]
-
-
-def _read(url: str, key: str, limit: int) -> tuple[list[LockEvent], list[LockInfo]]:
-    guard = TaskGuard(url)
-    try:
-        return guard.events(key, limit=limit), guard.get_all(key)
-    finally:
-        guard.dispose()
 
 
 @main_group.command()
@@ -55,17 +40,29 @@ def explain(
     leases lost or taken over, and who holds it now.
 
     Exit code 1 when KEY has neither history nor a row."""
-    url = resolve_url(ctx, database_url)
-    stored = run_or_exit(lambda: normalize_key(key), url)
-    events, rows = run_or_exit(lambda: _read(url, stored, limit), url)
+    with failing_as_one_line():
+        stored = normalize_key(key)
+    with open_guard(ctx, database_url) as guard:
+        events, rows = guard.events(stored, limit=limit), guard.get_all(stored)
+        companions = describe_companions(stored, guard.get_all)  # [coalesce/rate/debounce]
     if not events and not rows:
-        fail(f"nothing recorded for {stored!r} (no history and no lock row)", EXIT_NOT_FOUND)
+        fail(
+            f"nothing recorded for {stored!r} (no history and no lock row)",
+            EXIT_NOT_FOUND,
+            extra={"key": stored},
+        )
     if as_json:
         payload = {
             "key": stored,
             "events": [e.to_dict() for e in events],
             "rows": [r.to_dict() for r in rows],
+            "companions": companions,
         }
         click.echo(json.dumps(payload, indent=2))
     else:
-        click.echo(render(stored, events, rows))
+        # The story quotes the key with repr(); holder details are escaped here.
+        click.echo(
+            render(stored, [printable_event(e) for e in events], [printable_info(r) for r in rows])
+        )
+        for line in companions:
+            click.echo(printable(line, backslashes=False))

@@ -26,7 +26,6 @@ from celery import Celery, current_task
 from kombu.utils.url import maybe_sanitize_url
 
 from taskguard import current_lease, guarded_task, is_skipped, schema
-from taskguard._db import mask_url
 from taskguard.config import guard_for, reset_guards
 from taskguard.demo.embedded import (
     InProcessWorker,
@@ -37,7 +36,9 @@ from taskguard.demo.embedded import (
 )
 from taskguard.demo.record import RunLog
 from taskguard.demo.show import FeedTally, feed_name, locks_table, progress_line, summary_table
+from taskguard.display import printable
 from taskguard.exceptions import ConfigurationError
+from taskguard.urls import mask_url
 
 __all__ = ["FEED_NAMES", "DemoOptions", "DemoOutcome", "feed_urls", "run_demo"]
 
@@ -310,7 +311,7 @@ def _verdict(
         problems.append(f"results say {ran} run(s) but the task body recorded {len(runs)}")
     if problems:
         for problem in problems:
-            echo(f"  FAILED: {problem}")
+            echo(f"  FAILED: {printable(problem, backslashes=False)}")
         if not options.guarded:
             echo("  (expected: this run used no lock; run without --unguarded to see taskguard.)")
         return DemoOutcome(EXIT_FAILED, tallies, problems)

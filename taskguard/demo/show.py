@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 
+from taskguard import display
 from taskguard.lease import LockInfo
 
-__all__ = ["FeedTally", "feed_name", "locks_table", "progress_line", "summary_table", "table"]
+__all__ = ["FeedTally", "feed_name", "locks_table", "progress_line", "summary_table"]
 
 
 @dataclass
@@ -35,52 +35,11 @@ def feed_name(feed_url: str) -> str:
     return feed_url.rstrip("/").rsplit("/", 1)[-1].split(".", 1)[0] or feed_url
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: int = 0) -> list[str]:
-    """Columns padded to the widest cell; the last ``right`` columns right-aligned."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    first_right = len(headers) - right
-
-    def line(cells: Sequence[str]) -> str:
-        parts = [
-            c.rjust(w) if i >= first_right else c.ljust(w)
-            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-        ]
-        return "  ".join(parts).rstrip()
-
-    return [line(headers), *(line(r) for r in rows)]
-
-
-def duration(value: timedelta) -> str:
-    """``412ms``, ``59.6s``, ``4m05s``."""
-    seconds = value.total_seconds()
-    sign = "-" if seconds < 0 else ""
-    seconds = abs(seconds)
-    if seconds < 1:
-        return f"{sign}{seconds * 1000:.0f}ms"
-    if seconds < 60:
-        return f"{sign}{seconds:.1f}s"
-    return f"{sign}{int(seconds // 60)}m{int(seconds % 60):02d}s"
-
-
 def locks_table(infos: Sequence[LockInfo]) -> list[str]:
-    """Live leases, in the columns ``taskguard locks`` prints."""
+    """Live leases, in the columns (and with the escaping) of ``taskguard locks``."""
     if not infos:
         return ["no locks held"]
-    headers = ["KEY", "SLOT", "TOKEN", "TASK", "HOST", "PID", "HELD FOR", "EXPIRES IN"]
-    rows = [
-        [
-            i.key,
-            str(i.slot),
-            str(i.token),
-            i.holder.task_name or "-",
-            i.holder.hostname or "-",
-            "-" if i.holder.pid is None else str(i.holder.pid),
-            duration(i.held_for),
-            duration(i.expires_in),
-        ]
-        for i in infos
-    ]
-    return table(headers, rows)
+    return display.locks_table(infos)
 
 
 def progress_line(
@@ -96,7 +55,7 @@ def progress_line(
     failed = sum(t.failed for t in tallies)
     waiting = submitted - ran - skipped - failed
     now = [
-        feed_name(feed) + (f" x{n} (!)" if n > 1 else "")
+        display.printable(feed_name(feed)) + (f" x{n} (!)" if n > 1 else "")
         for feed, n in sorted(running.items())
         if n
     ]
@@ -128,7 +87,7 @@ def summary_table(tallies: Sequence[FeedTally], show_tokens: bool) -> list[str]:
         [t.feed, str(t.submitted), str(t.ran), str(t.skipped), str(t.failed), str(t.max_at_once)]
         for t in everything
     ]
-    lines = table(headers, rows, right=5)
+    lines = display.table(headers, rows, right=5)
     if not show_tokens:
         return lines
     tokens = ["FENCING TOKENS", *(",".join(map(str, t.tokens)) for t in tallies), ""]

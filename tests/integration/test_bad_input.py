@@ -21,7 +21,7 @@ import pytest
 from celery import Celery
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, delete, select
 
 from taskguard import (
     ConfigurationError,
@@ -37,6 +37,7 @@ from taskguard import (
 )
 from taskguard.config import reset_guards
 from taskguard.keys import MAX_KEY_LENGTH, MAX_TTL, MIN_TTL
+from taskguard.models import TaskLock
 
 EXAMPLES = int(os.environ.get("TASKGUARD_CHAOS_EXAMPLES", "40"))
 SETTINGS = settings(
@@ -75,15 +76,15 @@ class Table:
         self.engine = create_engine(url)
 
     def snapshot(self) -> list[tuple[Any, ...]]:
+        locks = TaskLock.__table__
         with self.engine.connect() as conn:
-            return [
-                tuple(r)
-                for r in conn.execute(text("SELECT * FROM task_locks ORDER BY key, slot")).all()
-            ]
+            query = select(locks).order_by(locks.c.key, locks.c.slot)
+            return [tuple(r) for r in conn.execute(query).all()]
 
     def delete(self, key: str) -> None:
+        locks = TaskLock.__table__
         with self.engine.begin() as conn:
-            conn.execute(text("DELETE FROM task_locks WHERE key = :k"), {"k": key})
+            conn.execute(delete(locks).where(locks.c.key == key))
 
 
 @pytest.fixture

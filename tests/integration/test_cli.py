@@ -12,8 +12,10 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import MySQLdb
 import psycopg
 import pytest
+from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 
 from taskguard import TaskGuard
@@ -57,7 +59,10 @@ def run(
         lines = proc.stderr.splitlines()
         assert proc.stderr.endswith("\n"), proc.stderr
         assert lines[-1].startswith("taskguard: "), proc.stderr
-        assert len(lines) == 1 or (len(lines) == 2 and lines[0].endswith("[y/N]: ")), proc.stderr
+        # (click < 8.2 writes the prompt's last space to stdout, hence the rstrip)
+        assert len(lines) == 1 or (len(lines) == 2 and lines[0].rstrip().endswith("[y/N]:")), (
+            proc.stderr
+        )
     return proc
 
 
@@ -67,9 +72,26 @@ def base_env() -> dict[str, str]:
     return env
 
 
+@pytest.fixture(params=["postgresql", "mariadb"])
+def lock_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The test's database, as a role that has a password (it must never be printed)."""
+    if request.param == "postgresql":
+        yield str(request.getfixturevalue("pg_url"))
+        return
+    plain = make_url(str(request.getfixturevalue("maria_url")))
+    user = f"tg_cli_{plain.database}"[:32]
+    admin = MySQLdb.connect(host=plain.host, port=plain.port, user="root", autocommit=True)
+    cur = admin.cursor()
+    cur.execute(f"CREATE USER '{user}'@'%' IDENTIFIED BY '{PASSWORD}'")
+    cur.execute(f"GRANT ALL ON `{plain.database}`.* TO '{user}'@'%'")
+    yield plain.set(username=user).render_as_string(hide_password=False)
+    cur.execute(f"DROP USER '{user}'@'%'")
+    admin.close()
+
+
 @pytest.fixture
-def url(pg_url: str) -> str:
-    return with_password(pg_url)
+def url(lock_url: str) -> str:
+    return with_password(lock_url)
 
 
 @pytest.fixture
@@ -78,8 +100,8 @@ def env(url: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def guard(pg_url: str) -> Iterator[TaskGuard]:
-    g = TaskGuard(pg_url)
+def guard(url: str) -> Iterator[TaskGuard]:
+    g = TaskGuard(url)
     yield g
     g.dispose()
 
@@ -198,19 +220,29 @@ def test_force_release_asks_unless_yes(guard: TaskGuard, env: dict[str, str]) ->
 # -- reap ----------------------------------------------------------------------------------
 
 
-def test_reap_with_progress(pg_url: str, guard: TaskGuard, env: dict[str, str]) -> None:
-    with psycopg.connect(make_url(pg_url).set(drivername="postgresql").render_as_string(False),
-                         autocommit=True) as conn:  # fmt: skip
-        conn.execute(
-            "INSERT INTO task_locks (key, slot, owner, token, acquired_at, expires_at) "
-            "SELECT 'old:' || g, 0, md5(g::text), nextval('task_locks_token_seq'), "
-            "now() - interval '2 hours', now() - interval '1 hour' "
-            "FROM generate_series(1, 2500) g"
-        )
+_OLD_ROWS = {
+    "postgresql": "INSERT INTO task_locks (key, slot, owner, token, acquired_at, expires_at) "
+    "SELECT 'old:' || g, 0, md5(g::text), nextval('task_locks_token_seq'), "
+    "now() - interval '2 hours', now() - interval '1 hour' "
+    "FROM generate_series(1, 2500) g",
+    "mysql": "INSERT INTO task_locks (`key`, slot, owner, token, acquired_at, expires_at) "
+    "SELECT CONCAT('old:', seq), 0, md5(seq), NEXT VALUE FOR task_locks_token_seq, "
+    "UTC_TIMESTAMP(6) - INTERVAL 2 HOUR, UTC_TIMESTAMP(6) - INTERVAL 1 HOUR "
+    "FROM seq_1_to_2500",
+}
+
+
+def test_reap_with_progress(url: str, guard: TaskGuard, env: dict[str, str]) -> None:
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(_OLD_ROWS[engine.dialect.name])
+    engine.dispose()
     live = guard.acquire("live", 300)
     assert live is not None
     proc = run([*TASKGUARD, "reap", "--batch-size", "500", "--grace", "60"], env)
-    assert proc.stdout.startswith("removed 2500 expired lock row(s) from postgresql+psycopg://")
+    assert proc.stdout.startswith(
+        f"removed 2500 expired lock row(s) from {make_url(url).drivername}://"
+    )
     assert ":***@" in proc.stdout
     assert "reap: " in proc.stderr and "removed so far" in proc.stderr
     assert guard.is_held_by(live)
@@ -287,3 +319,153 @@ def test_celery_taskguard_without_a_configured_url(pg_url: str) -> None:
     # An explicit --database-url still works.
     out = run([*CELERY, "locks", "--json", "--database-url", with_password(pg_url)], base_env())
     assert json.loads(out.stdout) == []
+
+
+# -- untrusted text in human-readable output (issue 16, item 5) ------------------------------
+
+FORGED_KEY = "evil\nforged:row  0  1  billing.charge  worker-1  1  1.0s  4m59s"
+ESCAPES = "\x1b[2J\x1b]0;pwned\x07"
+
+
+def _inert(text: str) -> None:
+    """Nothing a terminal would act on: no control characters but line ends."""
+    bad = [c for c in text if not c.isprintable() and c != "\n"]
+    assert bad == [], f"raw control characters reach the terminal: {bad!r}\n{text!r}"
+
+
+def test_human_output_escapes_control_characters(url: str, env: dict[str, str]) -> None:
+    guard = TaskGuard(url, history=True, hostname=f"host\r{ESCAPES}")
+    try:
+        lease = guard.acquire(FORGED_KEY, 300, task_name=f"task{ESCAPES}", task_id="id\n2")
+        assert lease is not None
+        guard.acquire(FORGED_KEY, 300, task_name="other\x1b[31m")  # a recorded conflict
+    finally:
+        guard.dispose()
+
+    out = tg("locks", env=env)
+    _inert(out)
+    lines = out.splitlines()
+    assert len(lines) == 2, out  # the header and ONE row: the newline forged nothing
+    assert lines[1].startswith("evil\\nforged:row  0  1")
+    assert "task\\x1b[2J\\x1b]0;pwned\\x07" in lines[1]
+    assert "host\\r\\x1b[2J" in lines[1]
+
+    out = tg("show", FORGED_KEY, env=env)
+    _inert(out)
+    assert len(out.splitlines()) == 13, out  # one line per field
+    assert "key:        evil\\nforged:row" in out and "task id:    id\\n2" in out
+
+    out = tg("explain", FORGED_KEY, env=env)
+    _inert(out)
+    assert "turned away" in out and "other\\x1b[31m" in out
+
+    proc = run([*TASKGUARD, "release", FORGED_KEY, "--owner", "nobody"], env, code=1)
+    _inert(proc.stderr)
+    assert "task\\x1b[2J" in proc.stderr
+
+    # --json is unchanged: the exact values, escaped the JSON way.
+    [row] = json.loads(tg("locks", "--json", env=env))
+    assert row["key"] == FORGED_KEY and row["task_name"] == f"task{ESCAPES}"
+    assert row["hostname"] == f"host\r{ESCAPES}" and row["task_id"] == "id\n2"
+    [row] = json.loads(tg("show", FORGED_KEY, "--json", env=env))
+    assert row["key"] == FORGED_KEY
+    events = json.loads(tg("explain", FORGED_KEY, "--json", env=env))["events"]
+    assert {e["task_name"] for e in events} >= {f"task{ESCAPES}", "other\x1b[31m"}
+
+
+# -- the front door's small cuts (issue 16, item 7) ------------------------------------------
+
+
+def test_show_json_for_a_missing_key_prints_a_json_error(env: dict[str, str]) -> None:
+    proc = run([*TASKGUARD, "show", "invoice:nope", "--json"], env, code=1)
+    error = json.loads(proc.stdout)
+    assert error["key"] == "invoice:nope" and error["exit_code"] == 1
+    assert "no lock row for 'invoice:nope'" in error["error"]
+    assert "no lock row for 'invoice:nope'" in proc.stderr  # the usual line, for people
+    proc = run([*CELERY, "show", "celery:none", "--json"], {**base_env(), "OPS_APP_DATABASE_URL": env["TASKGUARD_DATABASE_URL"]}, code=1)  # fmt: skip
+    assert json.loads(proc.stdout)["key"] == "celery:none"
+
+
+def test_celery_taskguard_dash_h_is_help(url: str) -> None:
+    env = {**base_env(), "OPS_APP_DATABASE_URL": url}
+    assert run([*CELERY, "-h"], env).stdout == run([*CELERY, "--help"], env).stdout
+    assert "--database-url" in run([*CELERY, "locks", "-h"], env).stdout
+
+
+def _switch_to_application_alembic(url: str) -> None:
+    """docs/alembic.md, "Switching from way 1 to way 2": taskguard's head recorded in
+    the application's alembic_version, taskguard's own version table dropped."""
+    from taskguard import schema
+
+    libpq = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(libpq, autocommit=True) as conn:
+        conn.execute("CREATE TABLE alembic_version (version_num varchar(32) PRIMARY KEY)")
+        conn.execute("INSERT INTO alembic_version VALUES ('5f2c1a9d0e11'), (%s)", [schema.head()])
+        conn.execute("DROP TABLE taskguard_alembic_version")
+
+
+def test_db_commands_after_switching_to_the_applications_alembic(empty_pg_url: str) -> None:
+    env = {**base_env(), "TASKGUARD_DATABASE_URL": with_password(empty_pg_url)}
+    tg("db", "upgrade", env=env)
+    _switch_to_application_alembic(empty_pg_url)
+
+    out = tg("db", "current", env=env)
+    assert not out.startswith("base"), out
+    assert "managed by your application's Alembic" in out and "alembic upgrade heads" in out
+    proc = run([*TASKGUARD, "db", "upgrade"], env, code=2)
+    assert "managed by your application's Alembic" in proc.stderr
+    assert "alembic upgrade heads" in proc.stderr and "already exists" not in proc.stderr
+    run([*TASKGUARD, "db", "downgrade", "--yes"], env, code=2)
+    # Nothing was touched: the locks still work.
+    guard = TaskGuard(empty_pg_url)
+    try:
+        assert guard.acquire("still:works", 60) is not None
+    finally:
+        guard.dispose()
+
+
+# -- one guard factory (issue 12) ------------------------------------------------------------
+
+
+def test_cli_guards_honour_every_setting(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Under ``celery -A proj taskguard`` every command's guard carries the app's
+    taskguard_* settings (durable, history, retention, engine options)."""
+    from celery import Celery
+
+    from taskguard.cli.celery import taskguard_command
+
+    built: list[TaskGuard] = []
+    original = TaskGuard.__init__
+
+    def spy(self: TaskGuard, *args: object, **kwargs: object) -> None:
+        original(self, *args, **kwargs)  # type: ignore[arg-type]
+        built.append(self)
+
+    monkeypatch.setattr(TaskGuard, "__init__", spy)
+    app = Celery("settings_app", set_as_current=False)
+    app.conf.update(
+        taskguard_database_url=pg_url,
+        taskguard_durable=False,
+        taskguard_history=True,
+        taskguard_history_retention=3600.0,
+        taskguard_engine_options={"pool_size": 2},
+    )
+
+    class Root:  # what celery's CLIContext carries for its subcommands
+        pass
+
+    root = Root()
+    root.app = app  # type: ignore[attr-defined]
+    for argv in (["locks"], ["show", "k"], ["explain", "k"], ["reap"]):
+        built.clear()
+        with pytest.raises(SystemExit):
+            taskguard_command.main(args=argv, prog_name="celery taskguard", obj=root)
+        assert built, argv
+        guard = built[-1]
+        assert (guard.durable, guard.history, guard.history_retention) == (False, True, 3600.0), (
+            argv
+        )
+        assert guard.engine.pool.size() == 2, argv  # type: ignore[attr-defined]
+    capsys.readouterr()

@@ -23,7 +23,9 @@ from sqlalchemy import create_engine, text
 from taskguard.demo.record import max_concurrency
 
 # A Redis database of its own: nothing another test left queued can reach the demo.
-REDIS_BROKER_URL = REDIS_URL.rsplit("/", 1)[0] + "/13"
+REDIS_BROKER_URL = os.environ.get(
+    "TASKGUARD_TEST_DEMO_REDIS_URL", REDIS_URL.rsplit("/", 1)[0] + "/13"
+)
 
 REPO = Path(__file__).resolve().parents[2]
 FEED_PREFIX = "https://example.com/feeds/"
@@ -234,3 +236,27 @@ def test_demo_rejects_an_unreachable_broker_quickly(tmp_path: Path) -> None:
     run, _ = _demo(["--broker", "amqp://guest:guest@127.0.0.1:1//"], cwd=tmp_path)
     assert run.returncode == 2, f"{run.stdout}\n{run.stderr}"
     assert "broker amqp://guest:**@127.0.0.1:1// unreachable" in run.stderr
+
+
+def test_demo_lock_listing_escapes_control_characters() -> None:
+    """The demo prints lock rows like ``taskguard locks``, with the same escaping."""
+    from datetime import datetime, timedelta, timezone
+
+    from taskguard.demo.show import locks_table
+    from taskguard.lease import Holder, LockInfo
+
+    now = datetime.now(timezone.utc)
+    info = LockInfo(
+        key="feed:a\nforged  0  1",
+        slot=0,
+        owner="o",
+        token=1,
+        acquired_at=now,
+        expires_at=now + timedelta(seconds=60),
+        holder=Holder(task_name="t\x1b[2J", hostname="h\r"),
+        read_at=now,
+    )
+    lines = locks_table([info])
+    assert len(lines) == 2 and "\n" not in "".join(lines)
+    assert all(c.isprintable() for c in "".join(lines))
+    assert lines[1].startswith("feed:a\\nforged  0  1") and "t\\x1b[2J" in lines[1]

@@ -110,8 +110,10 @@ def test_a_takeover_waits_for_the_fenced_transaction(db_url: str) -> None:
         writer.join(timeout=30)
         assert writer.exitcode == 0
         assert lease is not None
-        # The takeover happened only after the old holder's transaction committed.
-        assert granted >= committed - 0.01
+        # The takeover happened only after the old holder's transaction committed. A
+        # takeover that did not wait would come ~0.3 s before the commit; the margin
+        # covers the commit reply reaching the writer late (a loaded machine, a pooler).
+        assert granted >= committed - 0.1
         assert [w for w, _ in _invoices(db_url)] == ["slow"]
     finally:
         guard.dispose()

@@ -24,7 +24,8 @@ TASKGUARD = (
 
 def _crashing_importer(url: str) -> None:
     guard = TaskGuard(url, history=True)
-    assert guard.acquire(KEY, 0.4, task_name="import_feed", task_id="t1") is not None
+    # Long enough that t2 is turned away and t3 must wait, even on a loaded machine.
+    assert guard.acquire(KEY, 2.0, task_name="import_feed", task_id="t1") is not None
     os._exit(0)  # dies holding the lease: no release
 
 
@@ -142,13 +143,13 @@ def test_explain_tells_the_story_of_a_scripted_scenario(db_url: str) -> None:
 
 def test_history_off_records_nothing_and_adds_no_statement(guard: TaskGuard) -> None:
     sent: list[str] = []
-    run = guard._db.run
+    run = guard._store._db.run
 
     def counted(stmt: Any, values: dict[str, Any]) -> Any:
         sent.append(stmt.sql)
         return run(stmt, values)
 
-    guard._db.run = counted  # type: ignore[method-assign]
+    guard._store._db.run = counted  # type: ignore[method-assign]
     lease = guard.acquire(KEY, 30)
     assert lease is not None and guard.renew(lease) and guard.release(lease)
     assert len(sent) == 3

@@ -25,13 +25,13 @@ def _libpq(url: str) -> str:
 def _counting(guard: TaskGuard) -> list[str]:
     """Record every statement the guard sends (to prove the waiter does not poll)."""
     sent: list[str] = []
-    run = guard._db.run
+    run = guard._store._db.run
 
     def counted(stmt: Any, values: dict[str, Any]) -> Any:
         sent.append(stmt.sql.split()[0])
         return run(stmt, values)
 
-    guard._db.run = counted  # type: ignore[method-assign]
+    guard._store._db.run = counted  # type: ignore[method-assign]
     return sent
 
 
@@ -225,11 +225,49 @@ def test_releases_notify_only_while_someone_waits(pg_url: str) -> None:
         out = ctx.Queue()
         waiter = ctx.Process(target=_waiter, args=(pg_url, "busy", 20.0, out))
         waiter.start()
-        time.sleep(0.5)
+        # Release only once the waiter has announced itself (a slow start on a loaded
+        # machine would otherwise find the key free and never wait).
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            row = listener.execute(
+                "SELECT wanted_until IS NOT NULL FROM task_locks WHERE key = 'busy'"
+            ).fetchone()
+            if row and row[0]:
+                break
+            time.sleep(0.05)
         assert guard.release(lease)
-        assert [n.payload for n in listener.notifies(timeout=5, stop_after=1)] == ["busy"]
+        # (The waiter's own release right after its grant may arrive in the same batch.)
+        woken = [n.payload for n in listener.notifies(timeout=5, stop_after=1)]
+        assert woken and set(woken) == {"busy"}
         assert out.get(timeout=30)[0] == "granted"
         waiter.join(timeout=30)
     finally:
         guard.dispose()
         listener.close()
+
+
+def test_a_granted_waiter_leaves_no_reservation_behind(db_url: str) -> None:
+    """Once a waiter is granted, its place in line is used up: later releases free
+    the key for anyone at once, not after RESERVE_GRACE (issue 16, item 3)."""
+    key = "wait:reservation-used-up"
+    guard, other = TaskGuard(db_url), TaskGuard(db_url)
+    try:
+        first = guard.acquire(key, 60)
+        assert first is not None
+        ctx = mp.get_context("fork")
+        out = ctx.Queue()
+        waiter = ctx.Process(target=_waiter, args=(db_url, key, 10.0, out))
+        waiter.start()
+        time.sleep(1.0)  # let it announce itself
+        assert guard.release(first)
+        verdict, *_ = out.get(timeout=15)
+        waiter.join(15)
+        assert verdict == "granted"  # and it released the key again
+        # Others, back to back: each release must leave the key free at once.
+        for _ in range(3):
+            lease = other.acquire(key, 60)
+            assert lease is not None, "the departed waiter's reservation still blocks the key"
+            assert other.release(lease)
+    finally:
+        guard.dispose()
+        other.dispose()

@@ -42,16 +42,18 @@ def _objects(url: str) -> set[str]:
     engine = create_engine(url)
     insp = inspect(engine)
     names = set(insp.get_table_names()) | set(insp.get_view_names())
-    if engine.dialect.name == "postgresql":
+    if engine.dialect.name in ("postgresql", "mysql"):
         names |= set(insp.get_sequence_names())
     engine.dispose()
     return names
 
 
-@pytest.fixture(params=["postgresql", "sqlite"])
+@pytest.fixture(params=["postgresql", "sqlite", "mariadb"])
 def app_db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "postgresql":
         url = str(request.getfixturevalue("empty_pg_url"))
+    elif request.param == "mariadb":
+        url = str(request.getfixturevalue("empty_maria_url"))
     else:
         url = f"sqlite:///{tmp_path / 'app.sqlite'}"
     _app_tables(url)
@@ -189,3 +191,51 @@ def test_installed_wheel_migrates_an_existing_database(tmp_path: Path, empty_pg_
         assert schema.head() in run.stdout
         assert {"task_locks", "task_locks_held"} <= _objects(empty_pg_url)
         assert _app_state(empty_pg_url) == before
+
+
+def test_mariadb_tables_compare_keys_byte_exactly(maria_url: str) -> None:
+    engine = create_engine(maria_url)
+    with engine.connect() as conn:
+        collations = conn.execute(
+            text(
+                "SELECT TABLE_NAME, TABLE_COLLATION FROM information_schema.TABLES"
+                " WHERE TABLE_SCHEMA = DATABASE() AND TABLE_TYPE = 'BASE TABLE'"
+                " AND TABLE_NAME LIKE 'task_lock%'"
+            )
+        ).all()
+        kinds = dict(
+            conn.execute(
+                text(
+                    "SELECT TABLE_NAME, TABLE_TYPE FROM information_schema.TABLES"
+                    " WHERE TABLE_SCHEMA = DATABASE()"
+                )
+            ).all()
+        )
+    engine.dispose()
+    assert dict(collations) == {
+        "task_locks": "utf8mb4_nopad_bin",
+        "task_lock_events": "utf8mb4_nopad_bin",
+    }
+    assert kinds["task_locks_token_seq"] == "SEQUENCE"
+    assert kinds["task_locks_held"] == "VIEW"
+
+
+def test_refused_database_one_line_exit_2_nothing_created(empty_maria_url: str) -> None:
+    """A server taskguard does not support (here: MariaDB below a raised minimum, as
+    no MySQL server is at hand) is refused before Alembic creates anything, even
+    its version table."""
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, taskguard.schema as s; s.MARIADB_MIN = (99, 0); "
+            "from taskguard.cli import main; main(sys.argv[1:])",
+            *("db", "upgrade", "--database-url", empty_maria_url),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs MariaDB 10.6 or newer" in lines[0], run.stderr
+    assert _objects(empty_maria_url) == set()

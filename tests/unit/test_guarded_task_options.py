@@ -11,7 +11,7 @@ import pytest
 from celery import Celery
 
 from taskguard import ConfigurationError, GuardedTask, TaskGuard, guarded_task, is_skipped
-from taskguard.celery.common import HEADER
+from taskguard.celery.header import HEADER
 from taskguard.config import ENV_DATABASE_URL, reset_guards
 
 

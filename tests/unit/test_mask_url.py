@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from taskguard._db import mask_url
+from taskguard.urls import mask_url
 
 
 @pytest.mark.parametrize(

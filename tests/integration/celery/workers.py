@@ -194,5 +194,5 @@ def start_worker(
         if purge:
             with contextlib.suppress(Exception):
                 purge_queue(broker_url, queue, delete=True)
-        if not failed:  # keep the logs of a failed test for a look
+        if not failed and not os.environ.get("TG_KEEP_LOGS"):  # keep a failed test's logs
             shutil.rmtree(log_dir, ignore_errors=True)

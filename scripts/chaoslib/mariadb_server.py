@@ -1,0 +1,182 @@
+"""A throwaway MariaDB server we are allowed to crash.
+
+``mariadb-install-db`` into a fresh temp dir, ``mariadbd`` started on a free
+loopback port with its socket and logs in that dir. Never touches the shared
+server on 3306. Same interface as :class:`chaoslib.cluster.ThrowawayCluster`
+(start, crash, crash_restart, url, create_database, destroy).
+
+Durability settings are MariaDB's defaults (``innodb_flush_log_at_trx_commit=1``),
+stated on the command line so a distribution's my.cnf cannot change them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from chaoslib.cluster import free_port
+
+MARIADBD = os.environ.get("TASKGUARD_MARIADBD", "/usr/sbin/mariadbd")
+INSTALL_DB = os.environ.get("TASKGUARD_MARIADB_INSTALL_DB", "/usr/bin/mariadb-install-db")
+_OS_USER = "mysql"
+
+
+def _connect(port: int, database: str | None = None) -> Any:
+    import MySQLdb
+
+    return MySQLdb.connect(
+        host="127.0.0.1",
+        port=port,
+        user="root",
+        database=database or "",
+        autocommit=True,
+        connect_timeout=2,
+    )
+
+
+class ThrowawayMariaDB:
+    """A private MariaDB server: ``with ThrowawayMariaDB() as m: m.crash_restart()``."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="tg-chaos-maria-"))
+        self.data = self.dir / "data"
+        self.logfile = self.dir / "server.log"
+        self.pidfile = self.dir / "mariadbd.pid"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.crashes = 0
+        self._user: list[str] = []
+        if os.geteuid() == 0:
+            # mariadbd refuses to run as root unless told to; run it as mysql.
+            pw = pwd.getpwnam(_OS_USER)
+            os.chown(self.dir, pw.pw_uid, pw.pw_gid)
+            self._user = [f"--user={_OS_USER}"]
+        proc = subprocess.run(
+            [
+                INSTALL_DB,
+                "--no-defaults",
+                f"--datadir={self.data}",
+                *self._user,
+                "--auth-root-authentication-method=normal",
+                "--skip-test-db",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
+        )
+        if proc.returncode != 0:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise RuntimeError(f"mariadb-install-db failed: {proc.stderr.strip()[-2000:]}")
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> None:
+        """Start the server (InnoDB crash recovery runs if it was crashed) and wait."""
+        self.proc = subprocess.Popen(
+            [
+                MARIADBD,
+                "--no-defaults",
+                f"--datadir={self.data}",
+                *self._user,
+                f"--port={self.port}",
+                "--bind-address=127.0.0.1",
+                f"--socket={self.dir / 'mariadbd.sock'}",
+                f"--pid-file={self.pidfile}",
+                f"--log-error={self.logfile}",
+                "--skip-name-resolve",
+                "--skip-log-bin",
+                "--innodb-buffer-pool-size=64M",
+                "--innodb-flush-log-at-trx-commit=1",
+                "--max-connections=200",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"mariadbd exited ({self.proc.returncode}):\n{self.tail_log()}")
+            try:
+                _connect(self.port).close()
+                return
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def crash(self) -> None:
+        """SIGKILL the server: no shutdown, no flush; the next start runs recovery."""
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=60)
+        self.crashes += 1
+
+    def crash_restart(self) -> float:
+        """Crash, then start again; returns the seconds the server was down."""
+        t0 = time.monotonic()
+        self.crash()
+        self.start()
+        return time.monotonic() - t0
+
+    def stop(self) -> None:
+        if self.running and self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=120)
+
+    def destroy(self) -> None:
+        """Kill the server and delete its directory."""
+        if self.running and self.proc is not None:
+            with contextlib.suppress(Exception):
+                self.proc.kill()
+                self.proc.wait(timeout=60)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> ThrowawayMariaDB:
+        try:
+            self.start()
+        except BaseException:
+            self.destroy()
+            raise
+        return self
+
+    def __exit__(
+        self, _t: type[BaseException] | None, _e: BaseException | None, _tb: TracebackType | None
+    ) -> None:
+        self.destroy()
+
+    # -- addressing ------------------------------------------------------------------
+
+    def url(self, database: str = "mysql", port: int | None = None) -> str:
+        """SQLAlchemy URL; ``port`` lets a client go through a proxy instead."""
+        return f"mysql+mysqldb://root@127.0.0.1:{port or self.port}/{database}?charset=utf8mb4"
+
+    def create_database(self, name: str) -> str:
+        conn = _connect(self.port)
+        try:
+            cur = conn.cursor()
+            cur.execute(f"DROP DATABASE IF EXISTS `{name}`")
+            cur.execute(f"CREATE DATABASE `{name}`")
+        finally:
+            conn.close()
+        return self.url(name)
+
+    def tail_log(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.logfile.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""

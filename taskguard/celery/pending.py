@@ -1,0 +1,303 @@
+"""``on_conflict="coalesce"``: per key at most one running and one pending run.
+
+The pending run is a lease on the companion key ``<key>#pending``, held by the
+pending submission's task id:
+
+* **enqueue**: a submission takes ``<key>#pending`` and is published carrying that
+  lease; if another submission holds it, this one is *merged* into it: nothing is
+  published and the caller gets a ``coalesced`` marker naming the pending task id.
+  With ``coalesce_replace=True`` the submission ends the pending run's row and
+  takes it instead (its arguments are the newest); the replaced message, when it
+  arrives, finds the row is not its own and returns the marker without running.
+* **worker**: the pending message first checks the row is still its own (renewing
+  it), then takes the task's key. Key free: it gives ``<key>#pending`` up (the
+  next submission becomes the pending run) and runs. Key held: it is *deferred*
+  (published again with a short countdown, no worker slot held; see
+  :mod:`taskguard.celery.deferral`), keeping the row.
+
+Why deferred messages rather than parked rows published by whoever frees the key:
+the message never leaves the broker, so a SIGKILLed holder (or worker) loses
+nothing: the pending message keeps re-checking and starts once the holder's lease
+ends (released by the worker's main process, or expired). No message bodies are
+stored in the database and nothing new must run (no beat job) for it to start.
+The cost is polling: the countdown starts at 0.25 s and doubles per deferral up to
+:data:`MAX_POLL` (never past the holder's expiry), so the pending run starts at
+most about that long after the running one ends; one message per busy key per poll.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+from celery import states as celery_states
+from celery.result import EagerResult
+from celery.utils import uuid
+
+from taskguard import signals
+from taskguard.celery.countdowns import publish_delay
+from taskguard.celery.deferral import defer
+from taskguard.celery.header import HEADER
+from taskguard.celery.leasing import (
+    acquire_or_holder,
+    clamp_ttl,
+    lease_from_info,
+    release_quietly,
+)
+from taskguard.celery.results import MARKER
+from taskguard.celery.taskids import stored_task_id
+from taskguard.companions import companion_key
+from taskguard.config import guard_for
+from taskguard.exceptions import TaskGuardError
+from taskguard.guard import TaskGuard
+from taskguard.lease import Lease, LockInfo
+
+__all__ = [
+    "COALESCED",
+    "MAX_POLL",
+    "carried",
+    "claim",
+    "coalesced_result",
+    "give_up",
+    "is_coalesced",
+    "merged",
+    "pending_key",
+    "publish_coalesced",
+    "started",
+    "take_place",
+    "wait_for_key",
+]
+
+log = logging.getLogger("taskguard.celery")
+
+#: ``value["__taskguard__"]`` of a submission merged into the pending run.
+COALESCED = "coalesced"
+#: First and longest countdown (seconds) of a pending run re-checking a busy key.
+FIRST_POLL = 0.25
+MAX_POLL = 1.0
+#: Timestamps read back may differ from the handed ones by rounding.
+_SKEW = timedelta(milliseconds=1)
+#: Attempts of a replacing submission racing other replacing submissions.
+_REPLACE_ATTEMPTS = 3
+
+
+def pending_key(key: str) -> str:
+    """The companion key whose row names ``key``'s pending run."""
+    return companion_key(key, "pending")
+
+
+def coalesced_result(
+    *, task: str, task_id: str | None, key: str, into: str | None, phase: str
+) -> dict[str, Any]:
+    """What a merged submission returns: a plain dict (any serializer) naming the
+    pending run (``into``) that covers it."""
+    return {
+        MARKER: COALESCED,
+        "task": task,
+        "task_id": task_id,
+        "key": key,
+        "into": into,
+        "phase": phase,
+    }
+
+
+def is_coalesced(value: object) -> bool:
+    """Whether ``value`` is the result of a submission merged into a pending run."""
+    return isinstance(value, dict) and value.get(MARKER) == COALESCED
+
+
+# -- enqueue ------------------------------------------------------------------------------
+
+
+def publish_coalesced(
+    task: Any,
+    send: Any,
+    key: str,
+    args: Any,
+    kwargs: Any,
+    task_id: Any,
+    headers: dict[str, Any],
+    options: dict[str, Any],
+) -> Any:
+    """Publish as the key's pending run, or merge into the one there is."""
+    opts = task.taskguard_options
+    task_id = task_id or uuid()
+    guard = guard_for(task._get_app())
+    ttl = clamp_ttl(task._queue_ttl() + publish_delay(options))
+    lease, holder = take_place(task, guard, key, task_id, ttl, replace=opts.coalesce_replace)
+    if lease is None and holder is not None:
+        return merged(task, key, task_id, holder, options)
+    header: dict[str, Any] = {"v": 1, "key": key, "via": "enqueue"}
+    if lease is not None:
+        header["pending"] = lease.to_dict()
+    headers[HEADER] = header
+    try:
+        return send(args, kwargs, task_id, headers, options)
+    except BaseException:
+        if lease is not None and not task._get_app().conf.task_always_eager:
+            release_quietly(guard, lease)  # nothing was published: free the pending place
+        raise
+
+
+def take_place(
+    task: Any, guard: TaskGuard, key: str, task_id: str, ttl: float, *, replace: bool
+) -> tuple[Lease | None, LockInfo | None]:
+    """Become ``key``'s pending run: ``(lease, None)``; or ``(None, holder)`` naming
+    the pending run there is. ``replace``: end that run's place (released by its
+    owner id, so a concurrent replacement is never undone) and take it."""
+    details = {"task_name": task.name, "task_id": stored_task_id(task_id)}
+    pkey = pending_key(key)
+    lease, holder = acquire_or_holder(guard, pkey, ttl, **details)
+    for _ in range(_REPLACE_ATTEMPTS if replace else 0):
+        if lease is not None or holder is None:
+            break
+        release_quietly(guard, lease_from_info(holder))
+        lease, again = acquire_or_holder(guard, pkey, ttl, **details)
+        if lease is not None:
+            replaced = holder.holder.task_id
+            log.info("%s[%s] replaces pending run %s of key %r", task.name, task_id, replaced, key)
+            signals.run_coalesced.send(
+                sender=task, key=key, task_id=replaced, into=task_id, replaced=True
+            )
+        holder = again
+    return lease, holder
+
+
+def merged(task: Any, key: str, task_id: str, holder: LockInfo, options: dict[str, Any]) -> Any:
+    """Merge a submission into the pending run ``holder`` names: an EagerResult
+    holding the ``coalesced`` marker (stored in the result backend too)."""
+    into = holder.holder.task_id
+    log.info("merged %s[%s] into pending run %s of key %r", task.name, task_id, into, key)
+    signals.lock_conflict.send(sender=task, key=key, holder=holder, action="coalesce")
+    signals.run_coalesced.send(sender=task, key=key, task_id=task_id, into=into, replaced=False)
+    value = coalesced_result(task=task.name, task_id=task_id, key=key, into=into, phase="queue")
+    conf = task._get_app().conf
+    if not options.get("ignore_result", task.ignore_result) and (
+        not conf.task_always_eager or conf.task_store_eager_result
+    ):
+        try:
+            task.backend.store_result(task_id, value, celery_states.SUCCESS)
+        except Exception as exc:  # the caller still gets the marker in hand
+            log.warning("could not store the coalesced result of %s: %s", task_id, exc)
+    return EagerResult(task_id, value, celery_states.SUCCESS, name=task.name)
+
+
+# -- worker ---------------------------------------------------------------------------------
+
+
+def _pending_ttl(task: Any, countdown: float = 0.0) -> float:
+    return clamp_ttl(countdown + task._queue_ttl())
+
+
+def claim(
+    task: Any, guard: TaskGuard, request: Any, key: str, header: dict[str, Any]
+) -> tuple[Lease | None, dict[str, Any] | None]:
+    """The pending lease a message carries, renewed: ``(lease, None)``; ``(None,
+    marker)`` when a newer submission took the pending place (this message is
+    covered by it and must not run); ``(None, None)`` without a pending lease."""
+    handed = header.get("pending")
+    if not isinstance(handed, dict):
+        return None, None
+    pkey = pending_key(key)
+    try:
+        mine = Lease.from_dict(handed)
+        lease = guard.adopt(pkey, mine.owner, _pending_ttl(task), slot=mine.slot)
+    except (KeyError, TypeError, ValueError) as exc:
+        log.warning("ignoring a malformed pending lease in %s[%s]: %s", task.name, request.id, exc)
+        return None, None
+    if lease is not None:
+        return lease, None
+    row = next(iter(guard.get_all(pkey)), None)
+    if row is None or (row.owner == mine.owner and row.expires_at >= mine.expires_at - _SKEW):
+        # Our place lapsed by itself (the message waited longer than queue_ttl),
+        # not ended by a replacing submission (that ends it before its expiry):
+        # take it again unless a newer submission has meanwhile.
+        lease, row = acquire_or_holder(
+            guard, pkey, _pending_ttl(task), task_name=task.name, task_id=stored_task_id(request.id)
+        )
+        if lease is not None:
+            return lease, None
+    # Replaced; a place released but not yet taken is a replacement in progress.
+    into = row.holder.task_id if row is not None and row.owner != mine.owner else None
+    log.info("%s[%s] is covered by pending run %s of key %r", task.name, request.id, into, key)
+    return None, coalesced_result(
+        task=task.name, task_id=request.id, key=key, into=into, phase="run"
+    )
+
+
+def give_up(task: Any, header: Mapping[str, Any]) -> None:
+    """A pending run that will not run (revoked, or its pool child died) gives its
+    place back, so later submissions do not merge into it. Never raises."""
+    handed = header.get("pending")
+    if not isinstance(handed, dict):
+        return
+    try:
+        lease = Lease.from_dict(handed)
+        if release_quietly(guard_for(task._get_app()), lease):
+            log.info("%s gave up the pending place of %r", task.name, lease.key)
+    except Exception:
+        log.exception("could not give up the pending place carried by %s", task.name)
+
+
+def carried(header: dict[str, Any], lease: Lease | None) -> dict[str, Any]:
+    """What a deferred copy of a pending run carries on: its pending lease and
+    the debounce batch."""
+    kept = {name: header[name] for name in ("debounce",) if name in header}
+    if lease is not None:
+        kept["pending"] = lease.to_dict()
+    return kept
+
+
+def started(guard: TaskGuard, lease: Lease | None) -> None:
+    """The pending run has the key: the next submission becomes the pending one."""
+    if lease is not None:
+        release_quietly(guard, lease)
+
+
+def wait_for_key(
+    task: Any,
+    guard: TaskGuard,
+    request: Any,
+    key: str,
+    holder: LockInfo | None,
+    lease: Lease | None,
+    header: dict[str, Any],
+) -> Any:
+    """The key is held: defer as the pending run (returns the Retry to raise), or,
+    if another submission is pending already, return the coalesced marker."""
+    if lease is None:  # a message published without the pending place (send_task, beat)
+        got, other = acquire_or_holder(
+            guard, pending_key(key), _pending_ttl(task),
+            task_name=task.name, task_id=stored_task_id(request.id),
+        )  # fmt: skip
+        if got is None and other is not None:
+            into = other.holder.task_id
+            signals.lock_conflict.send(sender=task, key=key, holder=holder, action="coalesce")
+            signals.run_coalesced.send(
+                sender=task, key=key, task_id=request.id, into=into, replaced=False
+            )
+            return coalesced_result(
+                task=task.name, task_id=request.id, key=key, into=into, phase="run"
+            )
+        lease = got
+    polls = int(header.get("polls", 0)) if isinstance(header.get("polls", 0), int) else 0
+    countdown = min(MAX_POLL, FIRST_POLL * 2**polls)
+    if holder is not None:
+        countdown = min(countdown, max(holder.expires_in.total_seconds(), 0.0) + 0.05)
+    countdown = max(countdown, 0.05)
+    if lease is not None and request.is_eager:
+        # Not re-run (see taskguard.celery.deferral): later submissions must not merge
+        # into a run that will not happen.
+        release_quietly(guard, lease)
+        lease = None
+    if lease is not None:
+        try:
+            guard.renew(lease, _pending_ttl(task, countdown))
+        except TaskGuardError as exc:  # it ends by expiry; the copy takes it again
+            log.warning("could not renew pending run %s of %r: %s", request.id, key, exc)
+    extra = {**carried(header, lease), "polls": polls + 1}
+    if polls == 0:
+        signals.lock_conflict.send(sender=task, key=key, holder=holder, action="coalesce")
+    raise defer(task, request, key, countdown, "coalesce", extra)

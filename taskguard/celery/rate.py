@@ -1,0 +1,112 @@
+"""Per-key start rates: ``rate="N/period"`` (at most N runs *started* per key in
+any sliding window of ``period``, judged by the database clock).
+
+It is the throttle window (``min_hold``) of a concurrency limit, on a companion
+key: each start takes one of the N slot rows of ``<key>#rate`` with
+``min_hold=period`` and releases it at once; the released row stays taken until
+``acquired_at + period``. So starts are limited and concurrency is not (the run's
+own lock is the task's key, as without a rate). ``min_hold=S`` on the task's own
+key is the same statement with N = 1 that also keeps runs apart. A start over the
+rate is deferred (published again with a countdown until the first slot frees),
+never dropped.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from taskguard.celery.leasing import acquire_or_holder, release_quietly
+from taskguard.celery.taskids import stored_task_id
+from taskguard.companions import companion_key
+from taskguard.exceptions import ConfigurationError
+from taskguard.guard import TaskGuard
+from taskguard.keys import MAX_LIMIT, MAX_TTL
+from taskguard.lease import LockInfo
+
+__all__ = ["RATE_FORMS", "Rate", "parse_rate", "rate_key", "take_start"]
+
+#: What the error message shows as accepted.
+RATE_FORMS = (
+    "'N/s', 'N/m', 'N/h', 'N/d' or 'N/<number><unit>' such as '3/2s' or '10/15m' "
+    f"(N from 1 to {MAX_LIMIT}), or a tuple (N, seconds)"
+)
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_PATTERN = re.compile(r"^\s*(\d+)\s*/\s*(\d+(?:\.\d+)?)?\s*([smhd])?\s*$")
+
+
+@dataclass(frozen=True)
+class Rate:
+    """At most ``starts`` starts per key in any window of ``period`` seconds."""
+
+    starts: int
+    period: float
+
+    def __str__(self) -> str:
+        return f"{self.starts}/{self.period:g}s"
+
+
+def parse_rate(task: str, value: object) -> Rate | None:
+    """``rate=`` as a :class:`Rate` (``None`` stays ``None``); a one-line
+    :class:`ConfigurationError` naming the task and the accepted forms otherwise."""
+    if value is None or isinstance(value, Rate):
+        return value
+    starts: object
+    period: object
+    if isinstance(value, str):
+        match = _PATTERN.match(value)
+        if match is None or (match.group(2) is None and match.group(3) is None):
+            raise _bad(task, value)
+        starts = int(match.group(1))
+        period = float(match.group(2) or 1) * _UNITS[match.group(3) or "s"]
+    elif isinstance(value, tuple) and len(value) == 2:
+        starts, period = value
+        if isinstance(period, timedelta):
+            period = period.total_seconds()
+    else:
+        raise _bad(task, value)
+    if (
+        isinstance(starts, bool)
+        or not isinstance(starts, int)
+        or not 1 <= starts <= MAX_LIMIT
+        or isinstance(period, bool)
+        or not isinstance(period, (int, float))
+        or not math.isfinite(period)
+        or not 0 < period <= MAX_TTL
+    ):
+        raise _bad(task, value)
+    return Rate(starts, float(period))
+
+
+def _bad(task: str, value: object) -> ConfigurationError:
+    return ConfigurationError(f"task {task}: rate={value!r} is not one of {RATE_FORMS}")
+
+
+def rate_key(key: str) -> str:
+    """The companion key whose slot rows count ``key``'s starts."""
+    return companion_key(key, "rate")
+
+
+def take_start(
+    task: Any, guard: TaskGuard, request: Any, key: str, rate: Rate
+) -> tuple[bool, LockInfo | None]:
+    """Count one start of ``key``: ``(True, None)``, or ``(False, holder)`` when
+    ``rate.starts`` runs started within the last ``rate.period`` (``holder`` is the
+    slot that frees first)."""
+    lease, holder = acquire_or_holder(
+        guard,
+        rate_key(key),
+        rate.period,  # a crash before the release below still ends at the window
+        limit=rate.starts,
+        min_hold=rate.period,
+        task_name=task.name,
+        task_id=stored_task_id(request.id),
+        hostname=request.hostname,
+    )
+    if lease is None:
+        return False, holder
+    release_quietly(guard, lease)  # the row stays taken until acquired_at + period
+    return True, None

@@ -1,0 +1,80 @@
+"""The root ``taskguard`` group and what every command resolves through it: the
+``--database-url`` option, the Celery app when run as ``celery -A proj taskguard``,
+and the :class:`TaskGuard` those two configure (built by
+:func:`taskguard.config.build_guard`, so every ``taskguard_*`` setting applies)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import click
+
+from taskguard.cli.errors import EXIT_USAGE, fail, failing_as_one_line
+from taskguard.config import ENV_DATABASE_URL, build_guard, database_url
+from taskguard.exceptions import ConfigurationError
+from taskguard.guard import TaskGuard
+
+__all__ = [
+    "CONTEXT_SETTINGS",
+    "celery_app",
+    "database_url_option",
+    "main_group",
+    "open_guard",
+    "resolve_url",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: ``-h`` as well as ``--help``, for ``taskguard`` and ``celery -A proj taskguard``.
+CONTEXT_SETTINGS: dict[str, Any] = {"help_option_names": ["-h", "--help"]}
+
+
+@click.group(context_settings=CONTEXT_SETTINGS)
+@click.version_option(package_name="taskguard")
+def main_group() -> None:
+    """taskguard: per-key locks for Celery tasks, kept in your SQL database."""
+
+
+def database_url_option(fn: F) -> F:
+    """``--database-url`` falling back to ``$TASKGUARD_DATABASE_URL``."""
+    return click.option(
+        "--database-url",
+        "database_url",
+        envvar=ENV_DATABASE_URL,
+        metavar="URL",
+        help=f"SQLAlchemy URL of the lock database (default: ${ENV_DATABASE_URL}).",
+    )(fn)
+
+
+def celery_app(ctx: click.Context) -> Any:
+    """The Celery app when running as ``celery -A proj taskguard …``, else ``None``."""
+    return getattr(ctx.find_root().obj, "app", None)
+
+
+def resolve_url(ctx: click.Context, option: str | None) -> str:
+    """``--database-url`` (or ``$TASKGUARD_DATABASE_URL``); under ``celery`` the app's
+    ``taskguard_database_url``. One line and exit 2 when there is none."""
+    if option:
+        return option
+    app = celery_app(ctx)
+    if app is None:
+        fail(f"no database URL: pass --database-url or set {ENV_DATABASE_URL}", EXIT_USAGE)
+    try:
+        return database_url(app)
+    except ConfigurationError as exc:
+        fail(exc)
+
+
+@contextmanager
+def open_guard(ctx: click.Context, option: str | None) -> Iterator[TaskGuard]:
+    """A guard for the command's database and settings, disposed after the block;
+    taskguard errors inside the block leave through the one error path."""
+    url = resolve_url(ctx, option)
+    with failing_as_one_line(url):
+        guard = build_guard(celery_app(ctx), url=url)
+        try:
+            yield guard
+        finally:
+            guard.dispose()

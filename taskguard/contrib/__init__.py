@@ -1,0 +1,1 @@
+"""Integrations with frameworks taskguard does not depend on (each imported only when used)."""

@@ -1,0 +1,303 @@
+"""What every dialect provides, and the value types the storage layer runs.
+
+A dialect is one :class:`Dialect` subclass in its own module
+(:mod:`taskguard.dialects.postgresql`, :mod:`taskguard.dialects.sqlite`): how it
+spells time arithmetic (:class:`Flavor`), where fencing tokens come from, the
+statements that cannot be written dialect-neutrally, how its connections are
+set up, how its errors are classified, how the reaper walks its table, whether
+waiters can be woken, and the fence statement. The statements shared by all
+dialects are built once per dialect by :mod:`taskguard.dialects.statements`.
+
+Invariants every dialect upholds:
+
+* "now" is the database's clock, read per statement (PostgreSQL:
+  ``statement_timestamp()``, never the transaction-frozen ``now()``).
+* Acquire is one ``INSERT … ON CONFLICT (key, slot) DO UPDATE … WHERE <free>``:
+  the takeover condition is the ``where=`` of the upsert, never an index
+  predicate (that would let a live lock be overwritten).
+* Release/renew match ``key``, ``slot`` **and** ``owner`` and require the lease
+  to be live.
+* Fencing tokens come from a source that never goes back, and a takeover draws
+  a token above the one of the grant it replaces.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, ClassVar, Protocol
+
+from sqlalchemy import URL, ClauseElement, ColumnElement, Engine, Executable, Table
+from sqlalchemy.engine import Dialect as SADialect
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.elements import BindParameter
+
+from taskguard.models import TaskLock, TaskLockEvent
+
+__all__ = [
+    "EV",
+    "HOLDER_COLS",
+    "RESERVE_GRACE",
+    "Dialect",
+    "ErrorKind",
+    "Flavor",
+    "Listener",
+    "LockSQL",
+    "ReapStep",
+    "Statement",
+    "T",
+    "compile_for",
+]
+
+#: For this long after a lease ends, only the longest-waiting waiter may take the row.
+RESERVE_GRACE = 0.5
+
+T: Table = TaskLock.__table__  # type: ignore[assignment]
+EV: Table = TaskLockEvent.__table__  # type: ignore[assignment]
+HOLDER_COLS = ("task_name", "task_id", "hostname", "pid")
+
+
+@dataclass(frozen=True, slots=True)
+class Statement:
+    """A statement compiled for one dialect: SQL text plus how to lay out params."""
+
+    sql: str
+    positional_names: tuple[str, ...] | None
+    #: Values the compiler bound itself (e.g. SQLite's ``OFFSET 0``).
+    defaults: tuple[tuple[str, Any], ...] = ()
+    #: Dialects without ``UPDATE … RETURNING`` (MariaDB): a read run right after, on
+    #: the same connection, when this statement matched rows; its rows are the result.
+    then: Statement | None = None
+
+    def params(self, values: Mapping[str, Any]) -> Mapping[str, Any] | tuple[Any, ...]:
+        if self.defaults:
+            values = {**dict(self.defaults), **values}
+        if self.positional_names is None:
+            return values
+        return tuple(values[name] for name in self.positional_names)
+
+
+def compile_for(stmt: ClauseElement | Executable, dialect: SADialect) -> Statement:
+    """Compile once; the storage layer then runs the text as a plain DBAPI call."""
+    assert isinstance(stmt, ClauseElement)
+    compiled = stmt.compile(dialect=dialect)
+    assert isinstance(compiled, SQLCompiler)
+    names: tuple[str, ...] | None = None
+    if compiled.positional:
+        names = tuple(compiled.positiontup or ())
+    defaults = tuple((k, v) for k, v in compiled.params.items() if v is not None)
+    return Statement(compiled.string, names, defaults)
+
+
+@dataclass(frozen=True, slots=True)
+class Flavor:
+    """How one dialect spells time arithmetic, in Core and in text."""
+
+    now: ColumnElement[Any]
+    now_sql: str
+    #: now + <seconds param>, Core / text.
+    plus: Callable[[str], ColumnElement[Any]]
+    plus_sql: Callable[[str], str]
+    #: <timestamp expression> + <seconds param>.
+    add: Callable[[ColumnElement[Any], str], ColumnElement[Any]]
+    #: Seconds from a timestamp expression to now.
+    since: Callable[[ColumnElement[Any]], ColumnElement[Any]]
+    greatest: Callable[..., ColumnElement[Any]]
+    #: now - RESERVE_GRACE, Core / text.
+    grace_ago: ColumnElement[Any]
+    grace_ago_sql: str
+    ts_bind: Callable[[str], BindParameter[Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class LockSQL:
+    """Every statement the storage layer runs, compiled for one dialect."""
+
+    acquire: Statement
+    #: Concurrency limit: any free slot of 0..n-1 -> (slot, token or NULL on a lost race, ...).
+    acquire_slots: Statement
+    release: Statement
+    renew: Statement
+    #: A no-op write to the owner's live row: its commit is durable (and, under
+    #: synchronous replication, replicated) only once everything before it is.
+    confirm: Statement
+    #: Throttle window: release/renew that keep the key until acquired_at + hold.
+    release_hold: Statement
+    renew_hold: Statement
+    get: Statement
+    get_owner: Statement
+    held: Statement
+    held_all: Statement
+    force_release: Statement
+    db_now: Statement
+    #: Waiting: announce a waiter on a key's rows / withdraw it.
+    announce: Statement
+    withdraw: Statement
+    #: Reaping: one batch, without and with lock history.
+    reap_batch: Statement
+    reap_batch_history: Statement
+    #: A reap batch's history in a second statement (dialects without data-modifying CTEs).
+    reaped_events: Statement | None
+    record_event: Statement
+    record_acquired: Statement
+    events: Statement
+    trim_events: Statement
+
+
+class ErrorKind(enum.Enum):
+    """What a driver error means, as a dialect classifies it."""
+
+    SCHEMA_MISSING = "schema_missing"
+    SCHEMA_OLD = "schema_old"
+    PERMISSION = "permission"
+    OUTAGE = "outage"
+    STATEMENT = "statement"
+
+
+@dataclass(frozen=True, slots=True)
+class ReapStep:
+    """What one reap batch did: rows deleted, rows looked at, where the next batch
+    starts, and (for dialects that record history in a second statement) the rows."""
+
+    deleted: int
+    scanned: int
+    after: dict[str, Any]
+    reaped: list[tuple[Any, ...]]
+
+
+class Listener(Protocol):
+    """A connection that is woken when a lease with waiters ends early."""
+
+    def wait(self, key: str, timeout: float) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class Dialect:
+    """Everything that differs between databases. Subclasses set :attr:`name`
+    (SQLAlchemy's backend name) and fill in the hooks below; the registry in
+    :mod:`taskguard.dialects` maps names to instances."""
+
+    name: ClassVar[str]
+    #: Other SQLAlchemy backend names served by this dialect.
+    aliases: ClassVar[tuple[str, ...]] = ()
+    #: Whether an engine's pool may hand each thread a connection to keep.
+    pins_connections: ClassVar[bool] = False
+    #: Whether ``durable=False`` (commits that do not wait for durability) is offered.
+    relaxed_durability: ClassVar[bool] = False
+    #: Driver exception types that mean "the statement was refused", never an outage.
+    statement_errors: ClassVar[tuple[type[BaseException], ...]] = ()
+
+    # -- SQL ---------------------------------------------------------------------
+
+    def flavor(self) -> Flavor:
+        raise NotImplementedError
+
+    def insert(self, table: Table) -> Any:
+        """The dialect's ``insert()`` construct (with ``on_conflict_do_update``)."""
+        raise NotImplementedError
+
+    def token_insert(self) -> ColumnElement[Any]:
+        """The token of a row's first grant."""
+        raise NotImplementedError
+
+    def token_takeover(self, ins: Any) -> ColumnElement[Any]:
+        """The token of a takeover, evaluated while the row is locked."""
+        raise NotImplementedError
+
+    #: The concurrency-limit acquire as text (see statements.build_lock_sql for fields).
+    acquire_slots_sql: ClassVar[str] = ""
+    #: The takeover token inside acquire_slots_sql.
+    takeover_token_sql: ClassVar[str] = ""
+
+    def own_statements(self, fl: Flavor) -> dict[str, Any]:
+        """Statements this dialect writes itself, by :class:`LockSQL` field name,
+        instead of the shared ones (``acquire`` here means no ``insert()`` hooks are
+        used). A value may be a pair ``(statement, then)``: see :attr:`Statement.then`."""
+        return {}
+
+    def granted(
+        self, rows: list[tuple[Any, ...]], owner: str, slots: bool
+    ) -> list[tuple[Any, ...]]:
+        """An acquire's result rows in the shared shape: ``(token, acquired_at,
+        expires_at)`` only if granted, or for a limit ``(slot, token or None, …)``."""
+        return rows
+
+    def quick_commit(self) -> ColumnElement[bool] | None:
+        """A condition that makes a statement's own transaction commit without
+        waiting for durability, for statements whose loss in a crash is harmless
+        (a release, a reap batch); ``None`` if the dialect cannot."""
+        return None
+
+    def reap_sql(self, history: bool) -> str:
+        raise NotImplementedError
+
+    def reaped_events_sql(self) -> str | None:
+        return None
+
+    def fence_statement(self) -> Executable:
+        """Run in the caller's transaction: the lease's token if ``lease_owner``
+        still holds it (binds ``lease_key``, ``lease_slot``, ``lease_owner``), and
+        nobody can take it over until that transaction ends."""
+        raise NotImplementedError
+
+    # -- values ------------------------------------------------------------------
+
+    def to_datetime(self, value: Any) -> datetime:
+        """A timestamp as the driver returned it, as an aware UTC datetime."""
+        raise NotImplementedError
+
+    def seconds_param(self, seconds: float) -> Any:
+        """How a duration in seconds is bound."""
+        return seconds
+
+    def ts_param(self, value: datetime) -> Any:
+        """How a datetime is bound where SQL compares it with stored timestamps."""
+        return value
+
+    # -- connections ---------------------------------------------------------------
+
+    def engine_options(self, url: URL, options: dict[str, Any]) -> None:
+        """Adjust ``create_engine`` keyword arguments for a lock engine (in place)."""
+
+    def configure_engine(self, engine: Engine, url: URL, *, durable: bool) -> None:
+        """Install connect-time set-up on a lock engine taskguard owns."""
+
+    def connect_args(self, url: URL) -> dict[str, Any]:
+        """Driver options for any engine taskguard creates (also migrations, checks)."""
+        return {}
+
+    def socket_of(self, dbapi_conn: Any) -> int | None:
+        """The connection's socket, which the statement watchdog shuts down when a
+        statement outlives its time limit; ``None``: nothing to watch (in-process)."""
+        return None
+
+    def serializes_threads(self, url: URL) -> bool:
+        """Whether every thread shares one connection and must take turns."""
+        return False
+
+    def listener(self, engine: Engine, *, pooled_ok: bool = False) -> Listener | None:
+        """A dedicated connection woken by releases, or ``None`` (then waiters poll).
+        ``pooled_ok``: the operator named this URL for listening; trust it even if
+        it goes through a pooler (session pooling keeps a LISTEN)."""
+        return None
+
+    # -- errors ------------------------------------------------------------------
+
+    def classify(self, exc: BaseException, text: str) -> ErrorKind | None:
+        """What ``exc`` (whose driver message is ``text``) means; ``None`` defers to
+        the generic rules (an exception of :attr:`statement_errors` is a refused
+        statement, anything else an outage)."""
+        return None
+
+    # -- reaping -------------------------------------------------------------------
+
+    def reap_start(self) -> dict[str, Any]:
+        """The cursor values of the first reap batch."""
+        raise NotImplementedError
+
+    def reap_step(self, rows: list[tuple[Any, ...]], after: dict[str, Any]) -> ReapStep:
+        """Read one reap batch's result rows."""
+        raise NotImplementedError

@@ -1,0 +1,366 @@
+"""PostgreSQL (psycopg 3): everything taskguard does differently here.
+
+* Clock: ``statement_timestamp()``, never the transaction-frozen ``now()``.
+* Tokens: the sequence ``task_locks_token_seq``; a takeover draws a fresh
+  ``nextval`` while it holds the row lock, so it is above the replaced grant's.
+* Releases and reap batches commit with ``synchronous_commit=off`` set inside the
+  statement (no extra round trip): losing one in a crash only keeps a key taken
+  until its expiry, and the next durable commit flushes it anyway.
+* Waiters LISTEN on a dedicated connection; a trigger NOTIFYs only when a lease
+  with waiters ends early.
+* The reaper walks the heap by ctid (TID range scan, PostgreSQL 14+).
+* Fencing reads the row ``FOR SHARE``: a takeover waits for the caller's commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+import psycopg
+from sqlalchemy import (
+    URL,
+    ColumnElement,
+    DateTime,
+    Engine,
+    Executable,
+    Float,
+    Table,
+    bindparam,
+    event,
+    literal_column,
+    select,
+)
+from sqlalchemy.dialects import postgresql as pg
+from sqlalchemy.sql import func
+
+from taskguard.dialects.base import RESERVE_GRACE, Dialect, ErrorKind, Flavor, ReapStep, T
+from taskguard.models import RELEASE_CHANNEL, token_sequence
+
+__all__ = ["PostgreSQL"]
+
+log = logging.getLogger("taskguard")
+
+_NOW = "statement_timestamp()"
+#: Seconds libpq waits for a connection to open.
+CONNECT_TIMEOUT = 10
+#: Makes the statement's own (autocommit) transaction commit without waiting for the
+#: WAL flush. Only for statements whose loss in a database crash is harmless.
+QUICK_COMMIT = "set_config('synchronous_commit', 'off', true)"
+
+# Concurrency limit. Prefer an expired row nobody else is claiming (SKIP LOCKED
+# spreads concurrent acquirers over different rows), else a slot that has no row yet
+# (picked at random to make collisions unlikely). A collision on a new slot loses
+# the INSERT race: then `pick` has a row but `won` has none, which the caller reads
+# as "retry once" rather than as a conflict.
+_ACQUIRE_SLOTS = """
+WITH expired AS MATERIALIZED (
+    SELECT slot FROM task_locks AS t
+    WHERE t.key = :key AND t.slot < :n AND {free_t}
+    ORDER BY t.slot LIMIT 1
+    FOR UPDATE SKIP LOCKED
+), pick AS MATERIALIZED (
+    SELECT c.slot FROM (
+        SELECT slot, 0 AS pref FROM expired
+        UNION ALL
+        SELECT s.slot, 1 FROM generate_series(0, :n - 1) AS s(slot)
+        WHERE NOT EXISTS (SELECT 1 FROM task_locks AS e WHERE e.key = :key AND e.slot = s.slot)
+    ) AS c
+    ORDER BY c.pref, random() LIMIT 1
+), won AS (
+    INSERT INTO task_locks AS task_locks ({cols})
+    SELECT :key, pick.slot, :owner, nextval('task_locks_token_seq'), {now}, {plus_ttl},
+           :task_name, :task_id, :hostname, :pid
+    FROM pick
+    ON CONFLICT (key, slot) DO UPDATE SET {takeover}
+    WHERE {free_row}
+    RETURNING task_locks.slot, task_locks.token, task_locks.acquired_at, task_locks.expires_at
+)
+SELECT pick.slot, won.token, won.acquired_at, won.expires_at FROM pick LEFT JOIN won ON true
+"""
+
+# Reaping: delete rows whose lease ended more than `grace` ago (:grace is negative
+# seconds), in batches, re-checking expiry in the DELETE itself. Returns (deleted,
+# scanned, cursor); the cursor is what the next batch passes as :after.
+#
+# Walks the heap in physical order from the cursor (a ctid: TID Range Scan), locks up
+# to :batch_size expired rows FOR UPDATE SKIP LOCKED (rows an acquirer or another
+# reaper holds are skipped), and deletes exactly those row versions by ctid. A locked
+# row cannot move or change before the transaction ends, so its ctid is stable; a row
+# a takeover made live between snapshot and lock fails the re-check in LockRows and
+# again in the DELETE. The ctid cursor is only a position: a row that moved behind it
+# waits for the next run.
+_REAP = """
+WITH batch AS (
+    SELECT array_agg(ctid) AS ids, count(*) AS scanned, max(ctid) AS last
+    FROM (
+        SELECT ctid FROM task_locks
+        WHERE ctid > CAST(:after AS tid)
+          AND expires_at <= statement_timestamp() + :grace * interval '1 second'
+        LIMIT :batch_size
+        FOR UPDATE SKIP LOCKED
+    ) AS locked
+), gone AS (
+    DELETE FROM task_locks AS t
+    WHERE t.ctid = ANY(CAST((SELECT ids FROM batch) AS tid[]))
+      AND t.expires_at <= statement_timestamp() + :grace * interval '1 second'
+    RETURNING t.key, t.slot, t.owner, t.token
+){events}
+SELECT (SELECT count(*) FROM gone), scanned, CAST(last AS text)
+FROM batch, (SELECT {quick}) AS quick_commit
+"""
+_REAP_EVENTS = """, events AS (
+    INSERT INTO task_lock_events (at, key, slot, event, owner, token)
+    SELECT statement_timestamp(), key, slot, 'reaped', owner, token FROM gone
+)"""
+#: Where the first reap batch starts (item numbers begin at 1).
+REAP_START = "(0,0)"
+
+# SQLSTATE classes that mean "the server or the connection is in trouble" (retryable):
+# connection exception, operator intervention, insufficient resources, system error,
+# transaction rollback (serialization failure / deadlock).
+_OUTAGE_CLASSES = ("08", "57", "53", "58", "40")
+
+
+def _seconds(name: str) -> ColumnElement[Any]:
+    return bindparam(name, type_=Float) * literal_column("interval '1 second'")
+
+
+def _now() -> ColumnElement[Any]:
+    return func.statement_timestamp(type_=DateTime(timezone=True))
+
+
+class _ReleaseListener:
+    """A dedicated connection LISTENing for releases, taken out of the pool."""
+
+    def __init__(self, engine: Engine) -> None:
+        raw = engine.raw_connection()
+        try:
+            conn: Any = raw.driver_connection
+            raw.detach()  # its LISTEN must never leak back into the pool
+            conn.autocommit = True
+            conn.execute(f"LISTEN {RELEASE_CHANNEL}")
+            direct = backend_pid_is_real(conn)
+        except BaseException:
+            raw.close()
+            raise
+        self.pooled = not direct
+        self._raw = raw
+        self._conn = conn
+
+    def wait(self, key: str, timeout: float) -> bool:
+        end = time.monotonic() + timeout
+        while (left := end - time.monotonic()) > 0:
+            for note in self._conn.notifies(timeout=left, stop_after=1):
+                if note.payload == key:
+                    return True
+        return False
+
+    def close(self) -> None:
+        try:
+            self._raw.close()
+        except Exception:  # pragma: no cover - closing a broken connection
+            log.debug("closing the release listener failed", exc_info=True)
+
+
+#: psycopg's own default: prepare a statement on the server after 5 runs.
+PREPARE_THRESHOLD = 5
+
+
+def backend_pid_is_real(conn: Any) -> bool:
+    """Whether ``conn`` talks to its server backend directly. A pooler that shares
+    server connections between clients (PgBouncer in any mode, and any transaction
+    pooler by construction: a client's server backend changes between transactions)
+    must hand clients a made-up backend pid and cancel key to route cancel
+    requests; a direct connection reports the backend's own pid."""
+    row = conn.execute("SELECT pg_backend_pid()").fetchone()
+    return row is not None and int(row[0]) == conn.info.backend_pid
+
+
+def _prepare_when_direct(dbapi_conn: Any, _record: Any) -> None:
+    # Named statements save the server a parse and plan per lock statement (measured:
+    # 0-16% of a pair's time, docs/operations.md); only where nothing can hand the
+    # name to another client. An explicit prepare_threshold in the engine options wins.
+    if dbapi_conn.prepare_threshold is not None:
+        return
+    prev = dbapi_conn.autocommit
+    dbapi_conn.autocommit = True
+    try:
+        if backend_pid_is_real(dbapi_conn):
+            dbapi_conn.prepare_threshold = PREPARE_THRESHOLD
+    finally:
+        dbapi_conn.autocommit = prev
+
+
+_warned_pooled: set[str] = set()
+
+
+def _warn_once(url: URL, message: str) -> None:
+    shown = url.render_as_string(hide_password=True)
+    if (message, shown) not in _warned:
+        _warned.add((message, shown))
+        log.warning(message, shown)
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def _warn_pooled_once(engine: Engine) -> None:
+    url = engine.url.render_as_string(hide_password=True)
+    if url not in _warned_pooled:
+        _warned_pooled.add(url)
+        log.warning(
+            "wait= on %s: this URL goes through a connection pooler, where LISTEN cannot "
+            "keep its connection; waiters poll instead (every 0.5 s at most). Set "
+            "taskguard_listen_url (TaskGuard(listen_url=...)) to a direct or "
+            "session-pooled URL of the same database to be woken by releases.",
+            url,
+        )
+
+
+class PostgreSQL(Dialect):
+    name = "postgresql"
+    pins_connections = True
+    relaxed_durability = True
+    statement_errors = (psycopg.DataError, psycopg.IntegrityError, psycopg.ProgrammingError)
+    acquire_slots_sql = _ACQUIRE_SLOTS
+    takeover_token_sql = "nextval('task_locks_token_seq')"
+
+    def flavor(self) -> Flavor:
+        grace = f"{_NOW} - interval '{RESERVE_GRACE} seconds'"
+        return Flavor(
+            now=_now(),
+            now_sql=_NOW,
+            plus=lambda p: _now() + _seconds(p),
+            plus_sql=lambda p: f"{_NOW} + :{p} * interval '1 second'",
+            add=lambda col, p: col + _seconds(p),
+            since=lambda col: func.extract("epoch", _now() - col),
+            greatest=func.greatest,
+            grace_ago=literal_column(grace, DateTime(timezone=True)),
+            grace_ago_sql=grace,
+            ts_bind=lambda n: bindparam(n, type_=DateTime(timezone=True)),
+        )
+
+    def insert(self, table: Table) -> Any:
+        return pg.insert(table)
+
+    def token_insert(self) -> ColumnElement[Any]:
+        return token_sequence.next_value()
+
+    def token_takeover(self, ins: Any) -> ColumnElement[Any]:
+        # A fresh value taken while holding the row lock: above the replaced grant's.
+        return token_sequence.next_value()
+
+    def quick_commit(self) -> ColumnElement[bool]:
+        # An uncorrelated subquery: evaluated once, before the row is touched. Inline
+        # text, so the hot release binds no extra parameters.
+        return select(literal_column(QUICK_COMMIT)).scalar_subquery().is_not(None)
+
+    def reap_sql(self, history: bool) -> str:
+        return _REAP.format(events=_REAP_EVENTS if history else "", quick=QUICK_COMMIT)
+
+    def fence_statement(self) -> Executable:
+        t = T
+        return (
+            select(t.c.token)
+            .where(
+                t.c.key == bindparam("lease_key"),
+                t.c.slot == bindparam("lease_slot"),
+                t.c.owner == bindparam("lease_owner"),
+                t.c.expires_at > _now(),
+            )
+            .with_for_update(read=True)
+        )
+
+    def to_datetime(self, value: Any) -> datetime:
+        assert isinstance(value, datetime)
+        return value.astimezone(timezone.utc)
+
+    def engine_options(self, url: URL, options: dict[str, Any]) -> None:
+        if url.get_driver_name() != "psycopg":
+            return
+        options["connect_args"] = {**self.connect_args(url), **options.get("connect_args", {})}
+
+    def connect_args(self, url: URL) -> dict[str, Any]:
+        """psycopg options for any engine taskguard creates (locks, migrations, checks).
+
+        * ``prepare_threshold=None``: no named server-side prepared statement until
+          the connection is known to be direct (see :meth:`configure_engine`).
+          Through a transaction pooler (PgBouncer before 1.21, or without
+          ``max_prepared_statements``) a name reaches whichever server connection
+          the next transaction gets: "prepared statement "_pg3_0" does not exist",
+          or another client's statement run with our parameters.
+        * ``connect_timeout``: libpq would otherwise wait for the OS (minutes) on a
+          host that does not answer.
+        """
+        return {"prepare_threshold": None, "connect_timeout": CONNECT_TIMEOUT}
+
+    def socket_of(self, dbapi_conn: Any) -> int | None:
+        try:
+            return int(dbapi_conn.pgconn.socket)
+        except Exception:  # closed or broken: nothing to watch
+            return None
+
+    def configure_engine(self, engine: Engine, url: URL, *, durable: bool) -> None:
+        if engine.dialect.driver == "psycopg":
+            event.listen(engine, "connect", _prepare_when_direct)
+        if durable:
+            return
+
+        @event.listens_for(engine, "connect")
+        def _relaxed(dbapi_conn: Any, _record: Any) -> None:
+            prev = dbapi_conn.autocommit
+            dbapi_conn.autocommit = True
+            try:
+                if not backend_pid_is_real(dbapi_conn):
+                    # Behind a pooler a session SET lands on a shared server connection:
+                    # it would make *other* clients' commits non-durable, and miss ours.
+                    _warn_once(
+                        url,
+                        "durable=False on %s ignored: the URL goes through a connection "
+                        "pooler, where a session SET would leak to other clients",
+                    )
+                    return
+                dbapi_conn.execute("SET synchronous_commit TO off")
+            finally:
+                dbapi_conn.autocommit = prev
+
+    def listener(self, engine: Engine, *, pooled_ok: bool = False) -> _ReleaseListener | None:
+        if engine.dialect.driver != "psycopg":
+            return None
+        listener = _ReleaseListener(engine)
+        if pooled_ok or not listener.pooled:
+            return listener
+        listener.close()
+        _warn_pooled_once(engine)
+        return None
+
+    def classify(self, exc: BaseException, text: str) -> ErrorKind | None:
+        orig = getattr(exc, "orig", None)
+        sqlstate = getattr(exc, "sqlstate", None) or getattr(orig, "sqlstate", None)
+        low = text.lower()
+        if sqlstate == "42703" or (
+            sqlstate is None and "column" in low and "does not exist" in low
+        ):
+            # A column a newer migration adds: the code was deployed before the upgrade.
+            return ErrorKind.SCHEMA_OLD
+        if sqlstate == "42P01" or (
+            "does not exist" in low and ("task_locks" in low or "relation" in low)
+        ):
+            return ErrorKind.SCHEMA_MISSING
+        if sqlstate == "42501" or "permission denied" in low:
+            return ErrorKind.PERMISSION
+        if sqlstate is None:
+            return None
+        return ErrorKind.OUTAGE if sqlstate[:2] in _OUTAGE_CLASSES else ErrorKind.STATEMENT
+
+    def reap_start(self) -> dict[str, Any]:
+        return {"after": REAP_START}
+
+    def reap_step(self, rows: list[tuple[Any, ...]], after: dict[str, Any]) -> ReapStep:
+        deleted, scanned, last = rows[0]
+        return ReapStep(
+            int(deleted), int(scanned), after if last is None else {"after": str(last)}, []
+        )

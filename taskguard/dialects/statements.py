@@ -1,0 +1,362 @@
+"""The statements every dialect shares, built once per dialect from its
+:class:`~taskguard.dialects.base.Dialect` hooks and compiled for the engine's
+SQLAlchemy dialect (no per-call compilation on the hot path)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from sqlalchemy import (
+    ColumnElement,
+    Float,
+    Select,
+    String,
+    and_,
+    bindparam,
+    case,
+    insert,
+    literal,
+    literal_column,
+    null,
+    or_,
+    select,
+    text,
+    union_all,
+    update,
+)
+from sqlalchemy.engine import Dialect as SADialect
+from sqlalchemy.sql import func
+from sqlalchemy.sql.elements import BindParameter
+
+from taskguard.dialects.base import (
+    EV,
+    HOLDER_COLS,
+    Dialect,
+    Flavor,
+    LockSQL,
+    T,
+    compile_for,
+)
+from taskguard.models import SQLITE_TOKEN_TABLE
+
+__all__ = ["INSERT_COLS", "build_lock_sql", "free_sql"]
+
+_t = T
+_ROW_COLS = (
+    _t.c.key,
+    _t.c.slot,
+    _t.c.owner,
+    _t.c.token,
+    _t.c.acquired_at,
+    _t.c.expires_at,
+    *(_t.c[c] for c in HOLDER_COLS),
+)
+_EVENT_COLS = ("at", "key", "slot", "event", "owner", "token", "duration", *HOLDER_COLS, "detail")
+#: Events that end a grant: after one of them a takeover is not "taken_over".
+_ENDINGS = ("released", "lost", "force_released", "reaped", "taken_over")
+
+INSERT_COLS = "key, slot, owner, token, acquired_at, expires_at, task_name, task_id, hostname, pid"
+TAKEOVER_SET = (
+    "owner = excluded.owner, token = {token}, acquired_at = excluded.acquired_at, "
+    "expires_at = excluded.expires_at, task_name = excluded.task_name, "
+    "task_id = excluded.task_id, hostname = excluded.hostname, pid = excluded.pid, "
+    "next_owner = {next_owner}, next_since = {next_since}, next_until = {next_until}"
+)
+#: The reserved waiter's grant uses its reservation up (see _used_up).
+_USED_UP_SQL = (
+    "CASE WHEN task_locks.next_owner = excluded.owner THEN NULL ELSE task_locks.{col} END"
+)
+
+
+def _free(fl: Flavor, owner: ColumnElement[Any], t: Any = _t) -> ColumnElement[bool]:
+    """The row's lease ended and it is not reserved for another waiter."""
+    return and_(
+        t.c.expires_at <= fl.now,
+        or_(
+            t.c.next_owner.is_(None),
+            t.c.next_owner == owner,
+            t.c.next_owner == t.c.owner,  # the reserved waiter got it: used up
+            t.c.next_until <= fl.now,
+            t.c.expires_at <= fl.grace_ago,
+        ),
+    )
+
+
+_RESERVATION = ("next_owner", "next_since", "next_until")
+
+
+def _used_up(owner: ColumnElement[Any]) -> dict[str, ColumnElement[Any]]:
+    """A grant to the reserved waiter ends its reservation, so later releases free
+    the row for anyone at once; another waiter's reservation is kept."""
+    return {col: case((_t.c.next_owner == owner, null()), else_=_t.c[col]) for col in _RESERVATION}
+
+
+def free_sql(fl: Flavor, row: str, owner: str) -> str:
+    """:func:`_free` as text, for the statements written as text."""
+    return (
+        f"{row}.expires_at <= {fl.now_sql} AND ({row}.next_owner IS NULL"
+        f" OR {row}.next_owner = {owner} OR {row}.next_owner = {row}.owner"
+        f" OR {row}.next_until <= {fl.now_sql} OR {row}.expires_at <= {fl.grace_ago_sql})"
+    )
+
+
+def build_lock_sql(d: Dialect, sa_dialect: SADialect) -> LockSQL:
+    """Compile every statement for ``d`` on the engine's ``sa_dialect``."""
+    fl = d.flavor()
+    now = fl.now
+
+    def c(stmt: Any) -> Any:
+        return compile_for(stmt, sa_dialect)
+
+    own = d.own_statements(fl)
+    # A dialect that writes its own acquire need not offer the upsert hooks.
+    acquire = own["acquire"] if "acquire" in own else _acquire(d, fl)
+    acquire_slots = own["acquire_slots"] if "acquire_slots" in own else _acquire_slots(d, fl)
+
+    mine = and_(
+        _t.c.key == bindparam("key"),
+        _t.c.slot == bindparam("slot"),
+        _t.c.owner == bindparam("owner"),
+        _t.c.expires_at > now,
+    )
+    lease_cols = (_t.c.token, _t.c.acquired_at, _t.c.expires_at)
+    # A release only ends a lease: one lost in a database crash keeps the key taken
+    # until its expiry, never lets two hold it, so it need not wait for durability.
+    # Grants and renewals always wait (they must survive a crash).
+    quick = [q] if (q := d.quick_commit()) is not None else []
+    held_until = fl.add(_t.c.acquired_at, "hold")
+    release = update(_t).where(mine, *quick).values(expires_at=now)
+    release_hold = update(_t).where(mine, *quick).values(expires_at=fl.greatest(now, held_until))
+    renew = update(_t).where(mine).values(expires_at=fl.plus("ttl")).returning(*lease_cols)
+    confirm = update(_t).where(mine).values(expires_at=_t.c.expires_at).returning(*lease_cols)
+    renew_hold = (
+        update(_t)
+        .where(mine)
+        .values(expires_at=fl.greatest(fl.plus("ttl"), held_until))
+        .returning(*lease_cols)
+    )
+
+    # Waiters: every waiter raises wanted_until (a release before it wakes them); the
+    # one that has waited longest becomes next_owner (see _free).
+    since = func.coalesce(fl.ts_bind("since"), now)
+    until = fl.plus("wait")
+    lead = or_(
+        _t.c.next_owner.is_(None),
+        _t.c.next_owner == bindparam("owner"),
+        _t.c.next_owner == _t.c.owner,
+        _t.c.next_until <= now,
+        _t.c.next_since > since,
+    )
+    announce = (
+        update(_t)
+        .where(
+            _t.c.key == bindparam("key"),
+            _t.c.slot >= bindparam("first"),
+            _t.c.slot < bindparam("n"),
+            _t.c.expires_at > fl.grace_ago,
+        )
+        .values(
+            wanted_until=fl.greatest(func.coalesce(_t.c.wanted_until, until), until),
+            next_owner=case((lead, bindparam("owner")), else_=_t.c.next_owner),
+            next_since=case((lead, since), else_=_t.c.next_since),
+            next_until=case((lead, until), else_=_t.c.next_until),
+        )
+        .returning(_t.c.slot, _t.c.owner, _t.c.expires_at, _t.c.next_owner, now)
+    )
+    withdraw = (
+        update(_t)
+        .where(
+            _t.c.key == bindparam("key"),
+            _t.c.next_owner == bindparam("owner"),
+            _t.c.owner != bindparam("owner"),
+        )
+        .values(next_owner=null(), next_since=null(), next_until=null())
+    )
+
+    row_and_now = (*_ROW_COLS, now.label("read_at"))
+    get = select(*row_and_now).where(_t.c.key == bindparam("key")).order_by(_t.c.slot)
+    get_owner = select(*row_and_now).where(
+        _t.c.key == bindparam("key"),
+        _t.c.slot == bindparam("slot"),
+        _t.c.owner == bindparam("owner"),
+    )
+    # substr() rather than LIKE: no wildcard escaping, and SQLite's LIKE ignores case.
+    prefix: BindParameter[str] = bindparam("prefix")
+    prefix_match = func.substr(_t.c.key, 1, func.length(prefix)) == prefix
+    by_key = (_t.c.key, _t.c.slot)
+    held = select(*row_and_now).where(prefix_match, _t.c.expires_at > now)
+    held_all = select(*row_and_now).where(prefix_match)
+    force_release = (
+        update(_t)
+        .where(_t.c.key == bindparam("key"), _t.c.expires_at > now)
+        .values(expires_at=now)
+        .returning(_t.c.slot, _t.c.owner, _t.c.token, *(_t.c[col] for col in HOLDER_COLS))
+    )
+    events = _event_statements(fl)
+    reaped_events = d.reaped_events_sql()
+    shared: dict[str, Any] = dict(
+        acquire=acquire,
+        acquire_slots=acquire_slots,
+        release=release,
+        renew=renew,
+        confirm=confirm,
+        release_hold=release_hold,
+        renew_hold=renew_hold,
+        get=get,
+        get_owner=get_owner,
+        held=held.order_by(*by_key).limit(bindparam("limit")),
+        held_all=held_all.order_by(*by_key).limit(bindparam("limit")),
+        force_release=force_release,
+        db_now=select(now),
+        announce=announce,
+        withdraw=withdraw,
+        reap_batch=text(d.reap_sql(history=False)),
+        reap_batch_history=text(d.reap_sql(history=True)),
+        record_event=events["record_event"],
+        record_acquired=events["record_acquired"],
+        events=events["events"],
+        trim_events=events["trim_events"],
+    )
+
+    def compiled(name: str) -> Any:
+        stmt = own.get(name, shared[name])
+        if isinstance(stmt, tuple):  # (statement, the read that follows it)
+            first, then = stmt
+            return dataclasses.replace(c(first), then=c(then))
+        return c(stmt)
+
+    return LockSQL(
+        **{name: compiled(name) for name in shared},
+        reaped_events=None if reaped_events is None else c(text(reaped_events)),
+    )
+
+
+def _acquire(d: Dialect, fl: Flavor) -> Any:
+    """The shared ``INSERT … SELECT … ON CONFLICT DO UPDATE … WHERE <free>``."""
+    now = fl.now
+    # A key someone holds is refused by a read: without this pre-check the upsert
+    # would lock the live row to evaluate its takeover condition, which makes every
+    # refusal a write transaction (PostgreSQL: an xid, a commit record and a WAL
+    # flush per refused duplicate). The takeover condition below still decides
+    # every grant; the pre-check can only refuse a row that was live or reserved
+    # at the statement's start.
+    cur = _t.alias("cur")
+    taken: Select[Any] = (
+        select(literal_column("1"))
+        .select_from(cur)
+        .where(
+            cur.c.key == bindparam("key"),
+            cur.c.slot == bindparam("slot"),
+            ~_free(fl, bindparam("owner"), cur),
+        )
+    )
+    grant_cols = {
+        "key": bindparam("key"),
+        "slot": bindparam("slot"),
+        "owner": bindparam("owner"),
+        "token": d.token_insert(),
+        "acquired_at": now,
+        "expires_at": fl.plus("ttl"),
+        **{col: bindparam(col) for col in HOLDER_COLS},
+    }
+    ins = d.insert(_t).from_select(
+        list(grant_cols), select(*grant_cols.values()).where(~taken.exists())
+    )
+    return ins.on_conflict_do_update(
+        index_elements=[_t.c.key, _t.c.slot],
+        set_={
+            "owner": ins.excluded.owner,
+            "token": d.token_takeover(ins),
+            "acquired_at": ins.excluded.acquired_at,
+            "expires_at": ins.excluded.expires_at,
+            **{col: getattr(ins.excluded, col) for col in HOLDER_COLS},
+            **_used_up(ins.excluded.owner),
+        },
+        # The takeover condition. NOT index_where (that is the arbiter index predicate).
+        where=_free(fl, ins.excluded.owner),
+    ).returning(_t.c.token, _t.c.acquired_at, _t.c.expires_at)
+
+
+def _acquire_slots(d: Dialect, fl: Flavor) -> Any:
+    return text(
+        d.acquire_slots_sql.format(
+            cols=INSERT_COLS,
+            counter=SQLITE_TOKEN_TABLE,
+            now=fl.now_sql,
+            plus_ttl=fl.plus_sql("ttl"),
+            free_t=free_sql(fl, "t", ":owner"),
+            free_row=free_sql(fl, "task_locks", "excluded.owner"),
+            takeover=TAKEOVER_SET.format(
+                token=d.takeover_token_sql,
+                **{c: _USED_UP_SQL.format(col=c) for c in _RESERVATION},
+            ),
+        )
+    )
+
+
+def _event_statements(fl: Flavor) -> dict[str, Any]:
+    """Lock history: recording events, reading a key's story, trimming old events."""
+    now = fl.now
+    event_values = {
+        "at": now,
+        **{col: bindparam(col) for col in ("key", "slot", "event", "owner", "token")},
+        # Given (waited), or measured by the database clock from `since` (held).
+        "duration": func.coalesce(
+            bindparam("duration", type_=Float), fl.since(fl.ts_bind("since"))
+        ),
+        **{col: bindparam(col) for col in (*HOLDER_COLS, "detail")},
+    }
+    # A grant, plus "taken_over" for the slot's previous grant if that one ended
+    # without release (its holder crashed, stalled or lost the lease). Both index
+    # lookups walk (key, at) from the newest end.
+    prev = (
+        select(EV)
+        .where(
+            EV.c.key == bindparam("key"),
+            EV.c.slot == bindparam("slot"),
+            EV.c.event == literal_column("'acquired'"),
+        )
+        .order_by(EV.c.at.desc(), EV.c.id.desc())
+        .limit(1)
+        .subquery("p")
+    )
+    ended = EV.alias("e")
+    taken_over = select(
+        now,
+        prev.c.key,
+        prev.c.slot,
+        literal("taken_over", String),
+        prev.c.owner,
+        prev.c.token,
+        fl.since(prev.c.at),
+        *(prev.c[col] for col in HOLDER_COLS),
+        literal("lease expired without release; taken over by owner ", String)
+        + bindparam("owner", type_=String),
+    ).where(
+        prev.c.owner != bindparam("owner"),
+        ~select(ended.c.id)
+        .where(
+            ended.c.key == prev.c.key,
+            ended.c.at >= prev.c.at,
+            ended.c.owner == prev.c.owner,
+            # Literals: a precompiled statement cannot expand an IN parameter.
+            or_(*(ended.c.event == literal_column(f"'{e}'") for e in _ENDINGS)),
+        )
+        .exists(),
+    )
+    granted = select(*(event_values[col] for col in _EVENT_COLS))
+    old = select(EV.c.id).where(EV.c.at < fl.plus("keep")).order_by(EV.c.at)
+    return {
+        "record_event": insert(EV).values(**event_values),
+        "record_acquired": insert(EV).from_select(
+            list(_EVENT_COLS), union_all(taken_over, granted)
+        ),
+        "events": select(*(EV.c[col] for col in ("id", *_EVENT_COLS)))
+        .where(EV.c.key == bindparam("key"))
+        .order_by(EV.c.at.desc(), EV.c.id.desc())
+        .limit(bindparam("limit")),
+        "trim_events": EV.delete().where(
+            EV.c.id.in_(old.limit(bindparam("batch_size")).scalar_subquery())
+        ),
+    }

@@ -1,0 +1,419 @@
+"""The storage layer: the only code that runs taskguard's SQL or decodes its rows.
+
+:class:`Store` executes the dialect's compiled statements on the guard's own
+connections (:mod:`taskguard.store.connections`), converts values both ways
+(durations and timestamps as the dialect binds and returns them), reads back the
+outcome of a statement whose connection broke, walks the reaper's batches and
+records lock history. Driver errors become taskguard's exceptions in one place,
+:mod:`taskguard.store.errors`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from typing import Any, Literal, TypeVar, cast
+
+from sqlalchemy import URL, Engine
+
+from taskguard.deadline import DEFAULT_CALL_TIMEOUT, call_limit
+from taskguard.dialects import Dialect, Statement, lock_sql_for
+from taskguard.dialects.base import Listener
+from taskguard.exceptions import DatabaseUnavailable, OutcomeUnknown
+from taskguard.lease import Holder, Lease, LockInfo
+from taskguard.store.connections import Executor, create_lock_engine
+from taskguard.store.errors import translate_error
+from taskguard.store.events import EventLog
+
+__all__ = [
+    "EventLog",
+    "RenewOutcome",
+    "Store",
+    "WaitRow",
+    "create_lock_engine",
+    "translate_error",
+]
+
+log = logging.getLogger("taskguard")
+
+#: ``renewed``; ``lost`` (the statement found the lease gone); ``gone`` (a read-back
+#: after a broken connection found it no longer ours).
+RenewOutcome = Literal["renewed", "lost", "gone"]
+#: A row as a waiter's announcement saw it: slot, owner, expires_at, next_owner, now.
+WaitRow = tuple[int, str, datetime, str | None, datetime]
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _bounded(method: _F) -> _F:
+    """Run a lease operation (statement, read-back, retry) within the store's
+    ``call_timeout``: past it the socket is shut down, never the statement cancelled
+    (taskguard/deadline.py), and the caller gets OutcomeUnknown/DatabaseUnavailable."""
+
+    @functools.wraps(method)
+    def bounded(self: Store, *args: Any, **kwargs: Any) -> Any:
+        with call_limit(self.call_timeout):
+            return method(self, *args, **kwargs)
+
+    return cast(_F, bounded)
+
+
+class Store:
+    """One database's lock rows, for one :class:`~taskguard.TaskGuard`.
+
+    ``url_or_engine``: a URL (the store creates and owns a small autocommit
+    engine) or a caller's :class:`~sqlalchemy.Engine` (borrowed one statement at a
+    time, never joining a transaction).
+    """
+
+    def __init__(
+        self,
+        url_or_engine: str | URL | Engine,
+        *,
+        durable: bool = True,
+        call_timeout: float = DEFAULT_CALL_TIMEOUT,
+        listen_url: str | URL | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        self._db = Executor(url_or_engine, durable=durable, **engine_kwargs)
+        #: Seconds one lease operation (with its read-back) may take, client-side.
+        self.call_timeout = call_timeout
+        self._listen_url = listen_url
+        self._listen_engine: Engine | None = None
+        self.engine: Engine = self._db.engine
+        self.url: str = self._db.url
+        self.dialect: Dialect = self._db.dialect
+        self._sql = lock_sql_for(self.engine.dialect)
+        self._conv = self.dialect.to_datetime
+        self._secs = self.dialect.seconds_param
+        #: Lock history (``task_lock_events``) in the same database.
+        self.history = EventLog(self._db, self._sql, self.dialect)
+
+    def run(self, stmt: Statement, values: Mapping[str, Any]) -> tuple[list[tuple[Any, ...]], int]:
+        """Execute one statement in its own transaction: (rows, affected count)."""
+        return self._db.run(stmt, values)
+
+    def dispose(self) -> None:
+        self._db.dispose()
+        if self._listen_engine is not None:
+            self._listen_engine.dispose()
+
+    # -- grants --------------------------------------------------------------------
+
+    def grant_values(
+        self, key: str, slot: int, owner: str, seconds: float, holder: Holder, n: int = 1
+    ) -> dict[str, Any]:
+        """The parameters of one grant attempt (kept across retries of it)."""
+        return {
+            "key": key,
+            "slot": slot,
+            "n": n,
+            "owner": owner,
+            "ttl": self._secs(seconds),
+            "task_name": holder.task_name,
+            "task_id": holder.task_id,
+            "hostname": holder.hostname,
+            "pid": holder.pid,
+        }
+
+    @_bounded
+    def grant(
+        self, values: dict[str, Any], limit: int, seconds: float, hold: float
+    ) -> Lease | None:
+        """One grant attempt (two statements at most); ``None`` if the key is held.
+
+        If the connection broke after the statement was sent, the grant may have
+        committed: the outcome is read back by owner (unique to this attempt), never
+        assumed; if even that fails, :class:`~taskguard.OutcomeUnknown`.
+        """
+        key = values["key"]
+        stmt = self._sql.acquire if limit == 1 else self._sql.acquire_slots
+        try:
+            rows, _ = self.run(stmt, values)
+        except (OutcomeUnknown, DatabaseUnavailable) as exc:
+            if isinstance(exc, OutcomeUnknown) or not exc.statement_sent:
+                raise  # nothing reached the server: certainly not granted
+            recovered = self._recover(values, None if limit > 1 else values["slot"], exc)
+            if recovered is not None:
+                recovered.ttl, recovered.min_hold = seconds, hold
+                return recovered
+            try:
+                rows, _ = self.run(stmt, values)
+            except DatabaseUnavailable as again:
+                if not again.statement_sent:
+                    raise
+                raise OutcomeUnknown(
+                    f"connection to {self.url} broke again while retrying the acquire of "
+                    f"{key!r}; owner {values['owner']} may hold it until its ttl ends",
+                    key,
+                    values["owner"],
+                    self.url,
+                ) from again
+        rows = self.dialect.granted(rows, values["owner"], limit > 1)
+        if limit > 1:
+            if rows and rows[0][1] is None:
+                # Lost the race for a new slot to a concurrent acquirer: one more try
+                # (that slot now exists; the retry takes another or finds all taken).
+                rows = self.dialect.granted(self.run(stmt, values)[0], values["owner"], True)
+            if not rows or rows[0][1] is None:
+                return None
+            slot, token, acquired_at, expires_at = rows[0]
+        elif rows:
+            slot = values["slot"]
+            token, acquired_at, expires_at = rows[0]
+        else:
+            return None
+        conv = self._conv
+        return Lease(
+            key, values["owner"], int(token), conv(acquired_at), conv(expires_at),
+            seconds, int(slot), hold,
+        )  # fmt: skip
+
+    def _recover(
+        self, values: dict[str, Any], slot: int | None, cause: DatabaseUnavailable
+    ) -> Lease | None:
+        key, owner = values["key"], values["owner"]
+        try:
+            if slot is None:
+                info = next((r for r in self.rows(key) if r.owner == owner), None)
+            else:
+                info = self.read_owner(key, slot, owner)
+        except DatabaseUnavailable:
+            raise OutcomeUnknown(
+                f"connection to {self.url} broke while acquiring {key!r} and the outcome "
+                f"could not be read back; owner {owner} may hold it until its ttl ends",
+                key,
+                owner,
+                self.url,
+            ) from cause
+        if info is not None and info.held:
+            # Seen is not durable: the grant may be committed on this server only (its
+            # wait for a synchronous standby cut short). A no-op write by the owner
+            # commits only once everything before it is durable and replicated.
+            try:
+                rows, _ = self.run(
+                    self._sql.confirm, {"key": key, "slot": info.slot, "owner": owner}
+                )
+            except DatabaseUnavailable:
+                raise OutcomeUnknown(
+                    f"connection to {self.url} broke while confirming the acquire of {key!r}; "
+                    f"owner {owner} may hold it until its ttl ends",
+                    key,
+                    owner,
+                    self.url,
+                ) from cause
+            if rows:
+                token, acquired_at, expires_at = rows[0]
+                log.warning("acquire of %r committed before the connection broke; keeping it", key)
+                conv = self._conv
+                return Lease(
+                    key, owner, int(token), conv(acquired_at), conv(expires_at), 0.0, info.slot
+                )
+        log.warning("acquire of %r did not take effect before the connection broke; retrying", key)
+        return None
+
+    @_bounded
+    def release(self, lease: Lease) -> tuple[bool, bool]:
+        """End ``lease`` if its owner still holds it: ``(ended, by_statement)``;
+        ``by_statement`` is False when the outcome came from a read-back."""
+        values: dict[str, Any] = {"key": lease.key, "slot": lease.slot, "owner": lease.owner}
+        stmt = self._sql.release
+        if lease.min_hold:
+            stmt = self._sql.release_hold
+            values["hold"] = self._secs(lease.min_hold)
+        try:
+            _, count = self.run(stmt, values)
+        except DatabaseUnavailable as exc:
+            if not exc.statement_sent:
+                raise
+            info = self._reread_or_unknown(lease, "releasing", exc)
+            if info is None or info.owner != lease.owner:
+                return False, False
+            if not info.held:
+                # Still our row but ended before its expiry: our release committed and
+                # only the reply was lost. Ended at or after it: it had expired.
+                return info.expires_at < lease.expires_at, False
+            _, count = self.run(stmt, values)
+        return count == 1, True
+
+    @_bounded
+    def renew(self, lease: Lease, seconds: float) -> RenewOutcome:
+        """Extend ``lease`` to ``seconds`` from now (database clock); on success
+        ``lease.expires_at`` and ``lease.ttl`` are updated."""
+        values = {"key": lease.key, "slot": lease.slot, "owner": lease.owner}
+        rows = self._extend(values, seconds, lease.min_hold, lease)
+        if rows is None:
+            return "gone"
+        if not rows:
+            return "lost"
+        lease.expires_at = self._conv(rows[0][2])
+        lease.ttl = seconds
+        return "renewed"
+
+    @_bounded
+    def adopt(self, key: str, owner: str, slot: int, seconds: float, hold: float) -> Lease | None:
+        """Renew a live lease known only by its owner id; ``None`` if not held."""
+        values = {"key": key, "slot": slot, "owner": owner}
+        rows = self._extend(values, seconds, hold, None)
+        if not rows:
+            return None
+        token, acquired_at, expires_at = rows[0]
+        conv = self._conv
+        return Lease(
+            key, owner, int(token), conv(acquired_at), conv(expires_at), seconds, slot, hold
+        )
+
+    def _extend(
+        self, values: dict[str, Any], seconds: float, hold: float, lease: Lease | None
+    ) -> list[tuple[Any, ...]] | None:
+        values["ttl"] = self._secs(seconds)
+        stmt = self._sql.renew
+        if hold:
+            stmt = self._sql.renew_hold
+            values["hold"] = self._secs(hold)
+        try:
+            rows, _ = self.run(stmt, values)
+        except DatabaseUnavailable as exc:
+            if lease is None or not exc.statement_sent:
+                raise
+            info = self._reread_or_unknown(lease, "renewing", exc)
+            if info is None or info.owner != lease.owner or not info.held:
+                return None
+            rows, _ = self.run(stmt, values)
+        return rows
+
+    def _reread_or_unknown(
+        self, lease: Lease, doing: str, cause: DatabaseUnavailable
+    ) -> LockInfo | None:
+        try:
+            return self.read_owner(lease.key, lease.slot, lease.owner)
+        except DatabaseUnavailable:
+            raise OutcomeUnknown(
+                f"connection to {self.url} broke while {doing} {lease.key!r}; "
+                f"outcome unknown (lease expires by {lease.expires_at.isoformat()} at the latest)",
+                lease.key,
+                lease.owner,
+                self.url,
+            ) from cause
+
+    # -- reading rows ----------------------------------------------------------------
+
+    def _infos(self, stmt: Statement, values: Mapping[str, Any]) -> list[LockInfo]:
+        rows, _ = self.run(stmt, values)
+        conv = self._conv
+        return [
+            LockInfo(
+                key=r[0],
+                slot=int(r[1]),
+                owner=r[2],
+                token=int(r[3]),
+                acquired_at=conv(r[4]),
+                expires_at=conv(r[5]),
+                holder=Holder(task_name=r[6], task_id=r[7], hostname=r[8], pid=r[9]),
+                read_at=conv(r[10]),
+            )
+            for r in rows
+        ]
+
+    def rows(self, key: str) -> list[LockInfo]:
+        """Every slot row of ``key``, live or not."""
+        return self._infos(self._sql.get, {"key": key})
+
+    def read_owner(self, key: str, slot: int, owner: str) -> LockInfo | None:
+        found = self._infos(self._sql.get_owner, {"key": key, "slot": slot, "owner": owner})
+        return found[0] if found else None
+
+    def live_holder(self, key: str) -> LockInfo | None:
+        """The live holder whose lease ends first (under a limit there may be several)."""
+        live = [info for info in self.rows(key) if info.held]
+        return min(live, key=lambda i: i.expires_at) if live else None
+
+    def held(self, prefix: str, *, include_expired: bool, limit: int) -> list[LockInfo]:
+        stmt = self._sql.held_all if include_expired else self._sql.held
+        return self._infos(stmt, {"prefix": prefix, "limit": limit})
+
+    def force_release(self, key: str) -> list[tuple[int, str, int, Holder]]:
+        """End every live lease on ``key``: (slot, owner, token, holder) of each."""
+        rows, _ = self.run(self._sql.force_release, {"key": key})
+        return [(int(r[0]), r[1], int(r[2]), Holder(*r[3:])) for r in rows]
+
+    def db_now(self) -> datetime:
+        rows, _ = self.run(self._sql.db_now, {})
+        return self._conv(rows[0][0])
+
+    # -- waiting -------------------------------------------------------------------
+
+    def announce(
+        self, key: str, slots: range, owner: str, since: Any, wait: float
+    ) -> tuple[list[WaitRow], Any]:
+        """Raise the key's rows' ``wanted_until`` and queue ``owner`` as next in line;
+        returns the rows as seen, and the database time of the first announcement
+        (pass it back as ``since`` to keep the place in line)."""
+        values = {
+            "key": key,
+            "first": slots.start,
+            "n": slots.stop,
+            "owner": owner,
+            "since": since,
+            "wait": self._secs(wait),
+        }
+        raw, _ = self.run(self._sql.announce, values)
+        conv = self._conv
+        rows: list[WaitRow] = [
+            (int(slot), row_owner, conv(expires_at), next_owner, conv(now))
+            for slot, row_owner, expires_at, next_owner, now in raw
+        ]
+        return rows, (raw[0][4] if raw and since is None else since)
+
+    def withdraw(self, key: str, owner: str) -> None:
+        self.run(self._sql.withdraw, {"key": key, "owner": owner})
+
+    def listener(self) -> Listener | None:
+        """A connection woken by releases, or ``None`` where waiters must poll.
+
+        On ``listen_url`` when one is set (a direct or session-pooled URL of the same
+        database); else on the lock URL, unless the dialect finds it behind a
+        connection pooler, where a LISTEN cannot keep its server connection."""
+        engine = self.engine
+        if self._listen_url is not None:
+            if self._listen_engine is None:
+                self._listen_engine = create_lock_engine(self._listen_url, pool_size=1)
+            engine = self._listen_engine
+        try:
+            return self.dialect.listener(engine, pooled_ok=self._listen_url is not None)
+        except Exception as exc:
+            log.warning("cannot listen for releases on %s (%s); polling instead", self.url, exc)
+            return None
+
+    # -- reaping -------------------------------------------------------------------------
+
+    def reap(
+        self,
+        grace: float,
+        batch_size: int,
+        max_batches: int | None,
+        history: bool,
+        progress: Callable[[int], Any] | None,
+    ) -> tuple[int, int]:
+        """Delete rows whose lease ended more than ``grace`` seconds ago, one short
+        transaction per batch; (removed, batches)."""
+        stmt = self._sql.reap_batch_history if history else self._sql.reap_batch
+        after = self.dialect.reap_start()
+        removed = batches = 0
+        while max_batches is None or batches < max_batches:
+            values = {**after, "grace": self._secs(-grace), "batch_size": batch_size}
+            rows, _ = self.run(stmt, values)
+            batches += 1
+            step = self.dialect.reap_step(rows, after)
+            after = step.after
+            if step.reaped and history:
+                self.history.reaped(step.reaped)
+            removed += step.deleted
+            if progress is not None:
+                progress(removed)
+            if step.scanned < batch_size:
+                break
+        return removed, batches

@@ -1,0 +1,118 @@
+"""Lock history rows (``task_lock_events``): recording, reading back, trimming.
+
+Recording is best-effort: it runs after the lock statement has done its work,
+and a failure to record is logged, never raised, so history can never make a
+lock operation fail.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+from taskguard.dialects import Dialect, LockSQL, Statement
+from taskguard.exceptions import TaskGuardError
+from taskguard.history import LockEvent
+from taskguard.lease import Holder, Lease
+from taskguard.store.connections import Executor
+
+__all__ = ["EventLog"]
+
+log = logging.getLogger("taskguard")
+
+_DETAIL_MAX = 500
+
+
+class EventLog:
+    """The history statements of one :class:`~taskguard.store.Store`."""
+
+    def __init__(self, db: Executor, sql: LockSQL, dialect: Dialect) -> None:
+        self._db = db
+        self._sql = sql
+        self._dialect = dialect
+
+    def trim(self, keep: float, batch_size: int) -> int:
+        """Delete events older than ``keep`` seconds, in batches; how many went."""
+        values = {"keep": self._dialect.seconds_param(-keep), "batch_size": batch_size}
+        removed = 0
+        while True:
+            _, count = self._db.run(self._sql.trim_events, values)
+            removed += max(count, 0)
+            if count < batch_size:
+                return removed
+
+    def read(self, key: str, limit: int) -> list[LockEvent]:
+        """The newest ``limit`` events of ``key``, oldest first."""
+        rows, _ = self._db.run(self._sql.events, {"key": key, "limit": limit})
+        return [LockEvent.from_row(r, self._dialect.to_datetime) for r in reversed(rows)]
+
+    def record(
+        self,
+        event: str,
+        key: str,
+        slot: int,
+        owner: str | None,
+        token: int | None,
+        holder: Holder | None = None,
+        *,
+        since: datetime | None = None,
+        duration: float | None = None,
+        detail: str | None = None,
+    ) -> None:
+        """Record one event; ``duration`` as given, else measured by the database
+        clock from ``since`` to now. A failure is logged, never raised."""
+        h = holder or Holder()
+        self._quietly(
+            self._sql.record_event,
+            {
+                "key": key,
+                "slot": slot,
+                "event": event,
+                "owner": owner,
+                "token": token,
+                "duration": duration,
+                "since": None if since is None else self._dialect.ts_param(since),
+                "task_name": h.task_name,
+                "task_id": h.task_id,
+                "hostname": h.hostname,
+                "pid": h.pid,
+                "detail": detail[:_DETAIL_MAX] if detail else None,
+            },
+        )
+
+    def acquired(
+        self, lease: Lease, values: Mapping[str, Any], waited: float | None, detail: str | None
+    ) -> None:
+        """Record a grant, and ``taken_over`` for the slot's previous grant if that
+        one ended without being released (found from history, in one statement)."""
+        self._quietly(
+            self._sql.record_acquired,
+            {
+                "key": lease.key,
+                "slot": lease.slot,
+                "event": "acquired",
+                "owner": lease.owner,
+                "token": lease.token,
+                "duration": waited or 0.0,
+                "since": None,
+                "task_name": values["task_name"],
+                "task_id": values["task_id"],
+                "hostname": values["hostname"],
+                "pid": values["pid"],
+                "detail": detail,
+            },
+        )
+
+    def reaped(self, rows: list[tuple[Any, ...]]) -> None:
+        """Record reaped rows (key, slot, owner, token) where a reap batch could not."""
+        if self._sql.reaped_events is not None:
+            self._quietly(self._sql.reaped_events, {"rows": json.dumps([list(r) for r in rows])})
+
+    def _quietly(self, stmt: Statement, values: Mapping[str, Any]) -> None:
+        try:
+            self._db.run(stmt, values)
+        except TaskGuardError as exc:
+            log.warning("could not record lock history: %s", exc)

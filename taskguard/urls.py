@@ -1,0 +1,47 @@
+"""Database URLs: parsing user input into a SQLAlchemy URL, and masking secrets
+for logs and errors. Imports nothing from the package but the exceptions."""
+
+from __future__ import annotations
+
+from sqlalchemy import URL, make_url
+from sqlalchemy import exc as sa_exc
+
+from taskguard.exceptions import ConfigurationError
+
+__all__ = ["mask_url", "parse_url"]
+
+#: Query parameters that carry a secret (libpq and psycopg accept the password there too).
+_SECRET_PARAMS = frozenset({"password", "passwd", "pass", "sslpassword", "sslkey_password"})
+
+
+#: Driver-less PostgreSQL schemes; taskguard's PostgreSQL driver is psycopg 3.
+_PG_SCHEMES = frozenset({"postgres", "postgresql"})
+
+
+def mask_url(url: str | URL) -> str:
+    """The URL with its password (in the userinfo or as a query parameter) replaced
+    by ``***``: safe for logs and errors."""
+    try:
+        parsed = make_url(url)
+        secret = {k: "***" for k in parsed.query if k.lower() in _SECRET_PARAMS}
+        if secret:
+            parsed = parsed.update_query_dict(secret)
+        # The renderer percent-encodes query values; show the mask as in the userinfo.
+        return parsed.render_as_string(hide_password=True).replace("=%2A%2A%2A", "=***")
+    except Exception:
+        return "<unparseable database URL>"
+
+
+def parse_url(url: str | URL) -> URL:
+    """``url`` as a SQLAlchemy :class:`~sqlalchemy.URL` (``postgres://`` and
+    ``postgresql://`` mean ``postgresql+psycopg://``); a :class:`ConfigurationError`
+    naming the masked URL if it cannot be parsed."""
+    try:
+        parsed = make_url(url)
+    except sa_exc.ArgumentError as exc:
+        raise ConfigurationError(f"invalid database URL {mask_url(url)!r}: {exc}") from None
+    if parsed.drivername in _PG_SCHEMES:
+        # As DATABASE_URL and Django settings write it. SQLAlchemy would look for a
+        # `postgres` plugin, or default to psycopg2, which taskguard does not use.
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed

@@ -1,0 +1,118 @@
+"""Celery app for the coalesce / rate worker tests (``celery -A tg_pending_app worker``).
+
+Locks live in ``TASKGUARD_DATABASE_URL`` (PostgreSQL or SQLite); every run is
+recorded in ``tg_pending_runs`` of the PostgreSQL database ``TG_RUNS_URL``
+(start/end by that server's clock, the argument it ran with), so one reader
+serves both lock stores.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import psycopg
+from celery import Celery
+from tg_worker_app import libpq_url
+
+from taskguard import guarded_task
+
+RUNS_DDL = """
+CREATE TABLE IF NOT EXISTS tg_pending_runs (
+    id serial PRIMARY KEY,
+    key_id text NOT NULL,
+    task_id text NOT NULL,
+    note text,
+    pid int NOT NULL,
+    started_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    ended_at timestamptz
+)
+"""
+
+_local = threading.local()
+
+
+def _conn(runs_url: str) -> psycopg.Connection[Any]:
+    conn = getattr(_local, "conn", None)
+    if conn is None or conn.closed or getattr(_local, "pid", None) != os.getpid():
+        conn = psycopg.connect(libpq_url(runs_url), autocommit=True)
+        _local.conn, _local.pid = conn, os.getpid()
+    return conn
+
+
+def record(task: Any, runs_url: str, key_id: str, note: str, duration: float) -> str:
+    conn = _conn(runs_url)
+    row = conn.execute(
+        "INSERT INTO tg_pending_runs (key_id, task_id, note, pid) VALUES (%s, %s, %s, %s) "
+        "RETURNING id",
+        (key_id, task.request.id, note, os.getpid()),
+    ).fetchone()
+    assert row is not None
+    time.sleep(duration)
+    conn.execute("UPDATE tg_pending_runs SET ended_at = clock_timestamp() WHERE id = %s", (row[0],))
+    return note
+
+
+def make_app(
+    broker_url: str, result_backend: str | None, queue: str, database_url: str, runs_url: str
+) -> Celery:
+    """The app (tasks registered) for these settings."""
+    app = Celery("tg_pending_app", set_as_current=False)
+    app.conf.update(
+        broker_url=broker_url,
+        result_backend=result_backend,
+        task_default_queue=queue,
+        result_expires=600,
+        worker_prefetch_multiplier=1,
+        broker_connection_retry_on_startup=True,
+        taskguard_database_url=database_url,
+        taskguard_history=True,  # the rate test reads the slots' grants by the database clock
+    )
+
+    @guarded_task(
+        app=app, shared=False, name="tgp.coalesce", key="co:{key_id}", ttl=3,
+        on_conflict="coalesce", bind=True,
+    )  # fmt: skip
+    def coalesce(self: Any, key_id: str, note: str = "", duration: float = 0.0) -> str:
+        return record(self, runs_url, key_id, note, duration)
+
+    @guarded_task(
+        app=app, shared=False, name="tgp.coalesce_replace", key="cr:{key_id}", ttl=3,
+        on_conflict="coalesce", coalesce_replace=True, bind=True,
+    )  # fmt: skip
+    def coalesce_replace(self: Any, key_id: str, note: str = "", duration: float = 0.0) -> str:
+        return record(self, runs_url, key_id, note, duration)
+
+    @guarded_task(
+        app=app, shared=False, name="tgp.rated", key="rate:{key_id}", ttl=3, limit=4,
+        rate="3/2s", bind=True,
+    )  # fmt: skip
+    def rated(self: Any, key_id: str, note: str = "", duration: float = 0.0) -> str:
+        return record(self, runs_url, key_id, note, duration)
+
+    @guarded_task(
+        app=app, shared=False, name="tgp.debounced", key="db:{key_id}", ttl=3, debounce=1,
+        bind=True,
+    )  # fmt: skip
+    def debounced(self: Any, key_id: str, note: str = "", duration: float = 0.0) -> str:
+        return record(self, runs_url, key_id, note, duration)
+
+    @guarded_task(
+        app=app, shared=False, name="tgp.debounced_max", key="dm:{key_id}", ttl=3, debounce=1,
+        debounce_max=1.5, bind=True,
+    )  # fmt: skip
+    def debounced_max(self: Any, key_id: str, note: str = "", duration: float = 0.0) -> str:
+        return record(self, runs_url, key_id, note, duration)
+
+    return app
+
+
+app = make_app(
+    broker_url=os.environ.get("TASKGUARD_TEST_BROKER_URL", "memory://"),
+    result_backend=os.environ.get("TASKGUARD_TEST_RESULT_BACKEND") or None,
+    queue=os.environ.get("TASKGUARD_TEST_QUEUE", "tg_pending_app"),
+    database_url=os.environ.get("TASKGUARD_DATABASE_URL", ""),
+    runs_url=os.environ.get("TG_RUNS_URL", ""),
+)
