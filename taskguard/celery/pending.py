@@ -28,6 +28,7 @@ most about that long after the running one ends; one message per busy key per po
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -81,6 +82,8 @@ MAX_POLL = 1.0
 _SKEW = timedelta(milliseconds=1)
 #: Attempts of a replacing submission racing other replacing submissions.
 _REPLACE_ATTEMPTS = 3
+#: How long a replaced pending message waits for its replacement to take the place.
+_REPLACEMENT_WAIT = 2.0
 
 
 def pending_key(key: str) -> str:
@@ -219,12 +222,25 @@ def claim(
         )
         if lease is not None:
             return lease, None
-    # Replaced; a place released but not yet taken is a replacement in progress.
-    into = row.holder.task_id if row is not None and row.owner != mine.owner else None
+    # Replaced; a place released but not yet taken is a replacement in progress:
+    # its new owner is read once it has taken the place, so the marker names it.
+    into = _new_pending_owner(guard, pkey, mine.owner, row)
     log.info("%s[%s] is covered by pending run %s of key %r", task.name, request.id, into, key)
     return None, coalesced_result(
         task=task.name, task_id=request.id, key=key, into=into, phase="run"
     )
+
+
+def _new_pending_owner(guard: TaskGuard, pkey: str, mine: str, row: LockInfo | None) -> str | None:
+    """The task id of the submission that replaced ``mine`` at ``pkey``. None only
+    if no one takes the place within :data:`_REPLACEMENT_WAIT` seconds."""
+    deadline = time.monotonic() + _REPLACEMENT_WAIT
+    while row is None or row.owner == mine:
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.02)
+        row = next(iter(guard.get_all(pkey)), None)
+    return row.holder.task_id
 
 
 def give_up(task: Any, header: Mapping[str, Any]) -> None:
