@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import heapq
-import itertools
+import math
 import os
 import socket
 import threading
@@ -32,6 +31,8 @@ __all__ = [
     "Watch",
     "call_limit",
     "current_deadline",
+    "pop_limit",
+    "push_limit",
     "watchdog",
 ]
 
@@ -41,6 +42,8 @@ DEFAULT_STATEMENT_LIMIT = 30.0
 #: Seconds one lease operation (acquire attempt, renew, release, with the read-back
 #: after a broken connection) may take: the ``call_timeout`` of TaskGuard.
 DEFAULT_CALL_TIMEOUT = 10.0
+#: Seconds the watchdog thread lingers with nothing to watch before it exits.
+_IDLE_EXIT = 5.0
 
 _DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "taskguard_deadline", default=None
@@ -52,92 +55,127 @@ def current_deadline() -> float | None:
     return _DEADLINE.get()
 
 
+def push_limit(seconds: float) -> contextvars.Token[float | None]:
+    """Narrow this context's deadline to ``seconds`` from now (never widen it);
+    undo with :func:`pop_limit`. :func:`call_limit` without a generator, for the
+    storage layer's per-call path."""
+    deadline = time.monotonic() + max(0.0, seconds)
+    outer = _DEADLINE.get()
+    if outer is not None and outer < deadline:
+        deadline = outer
+    return _DEADLINE.set(deadline)
+
+
+def pop_limit(token: contextvars.Token[float | None]) -> None:
+    """Restore the deadline :func:`push_limit` replaced."""
+    _DEADLINE.reset(token)
+
+
 @contextlib.contextmanager
 def call_limit(seconds: float) -> Iterator[float]:
     """Everything taskguard runs inside this block ends within ``seconds`` (or as
     OutcomeUnknown / DatabaseUnavailable). Nested limits only ever shorten it."""
-    deadline = time.monotonic() + max(0.0, seconds)
-    outer = _DEADLINE.get()
-    if outer is not None:
-        deadline = min(deadline, outer)
-    token = _DEADLINE.set(deadline)
+    token = push_limit(seconds)
     try:
-        yield deadline
+        yield _DEADLINE.get() or 0.0
     finally:
-        _DEADLINE.reset(token)
+        pop_limit(token)
 
 
 class Watch:
     """One statement being watched; ``fired`` once its socket was shut down."""
 
-    __slots__ = ("deadline", "done", "fd", "fired")
+    __slots__ = ("deadline", "fd", "fired")
 
     def __init__(self, deadline: float, fd: int) -> None:
         self.deadline = deadline
         self.fd = fd
-        self.done = False
         self.fired = False
 
 
 class _Watchdog:
-    """One daemon thread per process, sleeping until the earliest deadline."""
+    """One daemon thread per process, sleeping until the earliest deadline.
+
+    Statements in flight are few (one per thread at most), so they are kept in a
+    dict and the thread scans it when it wakes: a statement costs one insert and
+    one delete under a lock, and wakes the thread only when its deadline is
+    earlier than the one the thread sleeps towards (rare: limits are seconds,
+    statements milliseconds). A heap with lazy deletion, as before, kept every
+    finished statement until the earliest deadline passed: tens of thousands of
+    dead entries at a few thousand statements a second.
+    """
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
         self._cond = threading.Condition(threading.Lock())
-        self._heap: list[tuple[float, int, Watch]] = []
-        self._seq = itertools.count()
+        self._active: dict[int, Watch] = {}
+        self._wake_at = math.inf
         self._thread: threading.Thread | None = None
 
-    @contextlib.contextmanager
-    def watch(self, fd: int | None, limit: float | None = None) -> Iterator[Watch | None]:
-        """Shut ``fd`` down if the block outlives ``limit`` seconds or the context's
-        deadline, whichever is sooner. ``fd=None``: nothing to watch (SQLite)."""
+    def start(self, fd: int | None, limit: float | None = None) -> Watch | None:
+        """Shut ``fd`` down if :meth:`stop` is not called within ``limit`` seconds
+        (default :data:`DEFAULT_STATEMENT_LIMIT`) or by the context's deadline,
+        whichever is sooner. ``fd=None``: nothing to watch (SQLite)."""
+        if fd is None or fd < 0:
+            return None
         deadline = time.monotonic() + (DEFAULT_STATEMENT_LIMIT if limit is None else limit)
         outer = _DEADLINE.get()
-        if outer is not None:
-            deadline = min(deadline, outer)
-        if fd is None or fd < 0:
-            yield None
-            return
+        if outer is not None and outer < deadline:
+            deadline = outer
         w = Watch(deadline, fd)
         with self._cond:
-            heapq.heappush(self._heap, (deadline, next(self._seq), w))
+            self._active[id(w)] = w
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._loop, name="taskguard-watchdog", daemon=True
                 )
                 self._thread.start()
-            elif self._heap[0][2] is w:
+            elif deadline < self._wake_at:
                 self._cond.notify()
+        return w
+
+    def stop(self, w: Watch | None) -> None:
+        """The statement ended (any outcome): never shut its socket down after this."""
+        if w is not None:
+            # Under the lock: the thread never shuts a socket down after we left, when
+            # the fd may already belong to another connection.
+            with self._cond:
+                self._active.pop(id(w), None)
+
+    @contextlib.contextmanager
+    def watch(self, fd: int | None, limit: float | None = None) -> Iterator[Watch | None]:
+        """:meth:`start` and :meth:`stop` around a block."""
+        w = self.start(fd, limit)
         try:
             yield w
         finally:
-            with self._cond:
-                # Under the lock: the thread never shuts a socket down after we left,
-                # when the fd may already belong to another connection.
-                w.done = True
+            self.stop(w)
 
     def _loop(self) -> None:
         with self._cond:
+            idle_since: float | None = None
             while True:
-                while self._heap and self._heap[0][2].done:
-                    heapq.heappop(self._heap)
-                if not self._heap:
-                    if not self._cond.wait(5.0) and not self._heap:
-                        self._thread = None
-                        return
-                    continue
-                deadline, _, w = self._heap[0]
                 now = time.monotonic()
-                if deadline > now:
-                    self._cond.wait(deadline - now)
-                    continue
-                heapq.heappop(self._heap)
-                w.fired = True
-                _shut_down(w.fd)
+                earliest = math.inf
+                for key, w in list(self._active.items()):
+                    if w.deadline <= now:
+                        del self._active[key]
+                        w.fired = True
+                        _shut_down(w.fd)
+                    elif w.deadline < earliest:
+                        earliest = w.deadline
+                if self._active:
+                    idle_since = None
+                elif idle_since is None:
+                    idle_since = now
+                elif now - idle_since >= _IDLE_EXIT:
+                    self._thread = None
+                    self._wake_at = math.inf
+                    return
+                self._wake_at = earliest
+                self._cond.wait(min(earliest - now, _IDLE_EXIT))
 
 
 def _shut_down(fd: int) -> None:

@@ -33,6 +33,7 @@ from sqlalchemy import URL, ClauseElement, ColumnElement, Engine, Executable, Ta
 from sqlalchemy.engine import Dialect as SADialect
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import BindParameter
+from sqlalchemy.sql.selectable import SelectBase
 
 from taskguard.models import TaskLock, TaskLockEvent
 
@@ -70,6 +71,10 @@ class Statement:
     #: Dialects without ``UPDATE … RETURNING`` (MariaDB): a read run right after, on
     #: the same connection, when this statement matched rows; its rows are the result.
     then: Statement | None = None
+    #: True when it is known at compile time to yield rows (a Core SELECT, or
+    #: RETURNING): the storage layer then skips ``cursor.description``, which builds
+    #: column objects on every acquire. None: unknown (text), ask the cursor.
+    returns_rows: bool | None = None
 
     def params(self, values: Mapping[str, Any]) -> Mapping[str, Any] | tuple[Any, ...]:
         if self.defaults:
@@ -88,7 +93,8 @@ def compile_for(stmt: ClauseElement | Executable, dialect: SADialect) -> Stateme
     if compiled.positional:
         names = tuple(compiled.positiontup or ())
     defaults = tuple((k, v) for k, v in compiled.params.items() if v is not None)
-    return Statement(compiled.string, names, defaults)
+    known = bool(compiled.effective_returning) or isinstance(stmt, SelectBase)
+    return Statement(compiled.string, names, defaults, returns_rows=known or None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from typing import Any, Literal, TypeVar, cast
 
 from sqlalchemy import URL, Engine
 
-from taskguard.deadline import DEFAULT_CALL_TIMEOUT, call_limit
+from taskguard.deadline import DEFAULT_CALL_TIMEOUT, pop_limit, push_limit
 from taskguard.dialects import Dialect, Statement, lock_sql_for
 from taskguard.dialects.base import Listener
 from taskguard.exceptions import DatabaseUnavailable, OutcomeUnknown
@@ -55,8 +55,11 @@ def _bounded(method: _F) -> _F:
 
     @functools.wraps(method)
     def bounded(self: Store, *args: Any, **kwargs: Any) -> Any:
-        with call_limit(self.call_timeout):
+        token = push_limit(self.call_timeout)
+        try:
             return method(self, *args, **kwargs)
+        finally:
+            pop_limit(token)
 
     return cast(_F, bounded)
 

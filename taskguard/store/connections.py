@@ -160,9 +160,13 @@ class Executor:
         pinned = self._pinned_connection() if self._pin_limit else None
         if pinned is not None:
             cur = pinned.cursor
+            watch = watchdog.start(self.dialect.socket_of(pinned.conn.dbapi_connection))
             try:
-                with watchdog.watch(self.dialect.socket_of(pinned.conn.dbapi_connection)) as watch:
+                try:
                     return _execute(cur, stmt, params, values)
+                finally:
+                    # Before the connection is dropped: its fd may be reused at once.
+                    watchdog.stop(watch)
             except Exception as exc:
                 if isinstance(exc, self._sa.loaded_dbapi.Error):
                     if (watch is not None and watch.fired) or self._sa.is_disconnect(
@@ -242,7 +246,8 @@ def _execute(
     cur: Any, stmt: Statement, params: Any, values: Mapping[str, Any]
 ) -> tuple[list[tuple[Any, ...]], int]:
     cur.execute(stmt.sql, params)
-    rows = list(cur.fetchall()) if cur.description is not None else []
+    known = stmt.returns_rows
+    rows = list(cur.fetchall()) if known or cur.description is not None else []
     count = int(cur.rowcount)
     if stmt.then is not None and count > 0:
         # No UPDATE … RETURNING (MariaDB): read the rows back on the same connection.
