@@ -73,7 +73,7 @@ def wait_for(
     """Retry ``attempt`` (an acquire as ``owner`` of one of ``slots``) until it
     grants or ``timeout`` seconds pass; the first attempt has already failed."""
     deadline = time.monotonic() + timeout
-    listener = store.listener()
+    listener = store.waiters.listener()
     since: object = None
     announced = False
     lease: Lease | None = None
@@ -81,7 +81,7 @@ def wait_for(
     poll = POLL_MIN
     try:
         while (remaining := deadline - time.monotonic()) > 0:
-            rows, since = store.announce(key, slots, owner, since, remaining)
+            rows, since = store.waiters.announce(key, slots, owner, since, remaining)
             announced = True
             delay = _next_try(rows, len(slots), owner)
             if delay <= 0:
@@ -108,7 +108,7 @@ def wait_for(
         if announced and (lease is None or len(slots) > 1):
             # Give up our place in line (or, holding one slot, on the other rows).
             try:
-                store.withdraw(key, owner)
+                store.waiters.withdraw(key, owner)
             except TaskGuardError as exc:
                 log.debug("could not withdraw waiter %s on %r: %s", owner, key, exc)
         if listener is not None:

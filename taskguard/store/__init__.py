@@ -20,18 +20,19 @@ from sqlalchemy import URL, Engine
 
 from taskguard.deadline import DEFAULT_CALL_TIMEOUT, pop_limit, push_limit
 from taskguard.dialects import Dialect, Statement, lock_sql_for
-from taskguard.dialects.base import Listener
 from taskguard.exceptions import DatabaseUnavailable, OutcomeUnknown
 from taskguard.lease import Holder, Lease, LockInfo
 from taskguard.store.connections import Executor, create_lock_engine
 from taskguard.store.errors import translate_error
 from taskguard.store.events import EventLog
+from taskguard.store.waiters import Waiters, WaitRow
 
 __all__ = [
     "EventLog",
     "RenewOutcome",
     "Store",
     "WaitRow",
+    "Waiters",
     "create_lock_engine",
     "translate_error",
 ]
@@ -41,8 +42,6 @@ log = logging.getLogger("taskguard")
 #: ``renewed``; ``lost`` (the statement found the lease gone); ``gone`` (a read-back
 #: after a broken connection found it no longer ours).
 RenewOutcome = Literal["renewed", "lost", "gone"]
-#: A row as a waiter's announcement saw it: slot, owner, expires_at, next_owner, now.
-WaitRow = tuple[int, str, datetime, str | None, datetime]
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -84,8 +83,6 @@ class Store:
         self._db = Executor(url_or_engine, durable=durable, **engine_kwargs)
         #: Seconds one lease operation (with its read-back) may take, client-side.
         self.call_timeout = call_timeout
-        self._listen_url = listen_url
-        self._listen_engine: Engine | None = None
         self.engine: Engine = self._db.engine
         self.url: str = self._db.url
         self.dialect: Dialect = self._db.dialect
@@ -94,6 +91,8 @@ class Store:
         self._secs = self.dialect.seconds_param
         #: Lock history (``task_lock_events``) in the same database.
         self.history = EventLog(self._db, self._sql, self.dialect)
+        #: Waiters' announcements and release notifications.
+        self.waiters = Waiters(self._db, self._sql, listen_url)
 
     def run(self, stmt: Statement, values: Mapping[str, Any]) -> tuple[list[tuple[Any, ...]], int]:
         """Execute one statement in its own transaction: (rows, affected count)."""
@@ -101,8 +100,7 @@ class Store:
 
     def dispose(self) -> None:
         self._db.dispose()
-        if self._listen_engine is not None:
-            self._listen_engine.dispose()
+        self.waiters.dispose()
 
     # -- grants --------------------------------------------------------------------
 
@@ -346,50 +344,6 @@ class Store:
     def db_now(self) -> datetime:
         rows, _ = self.run(self._sql.db_now, {})
         return self._conv(rows[0][0])
-
-    # -- waiting -------------------------------------------------------------------
-
-    def announce(
-        self, key: str, slots: range, owner: str, since: Any, wait: float
-    ) -> tuple[list[WaitRow], Any]:
-        """Raise the key's rows' ``wanted_until`` and queue ``owner`` as next in line;
-        returns the rows as seen, and the database time of the first announcement
-        (pass it back as ``since`` to keep the place in line)."""
-        values = {
-            "key": key,
-            "first": slots.start,
-            "n": slots.stop,
-            "owner": owner,
-            "since": since,
-            "wait": self._secs(wait),
-        }
-        raw, _ = self.run(self._sql.announce, values)
-        conv = self._conv
-        rows: list[WaitRow] = [
-            (int(slot), row_owner, conv(expires_at), next_owner, conv(now))
-            for slot, row_owner, expires_at, next_owner, now in raw
-        ]
-        return rows, (raw[0][4] if raw and since is None else since)
-
-    def withdraw(self, key: str, owner: str) -> None:
-        self.run(self._sql.withdraw, {"key": key, "owner": owner})
-
-    def listener(self) -> Listener | None:
-        """A connection woken by releases, or ``None`` where waiters must poll.
-
-        On ``listen_url`` when one is set (a direct or session-pooled URL of the same
-        database); else on the lock URL, unless the dialect finds it behind a
-        connection pooler, where a LISTEN cannot keep its server connection."""
-        engine = self.engine
-        if self._listen_url is not None:
-            if self._listen_engine is None:
-                self._listen_engine = create_lock_engine(self._listen_url, pool_size=1)
-            engine = self._listen_engine
-        try:
-            return self.dialect.listener(engine, pooled_ok=self._listen_url is not None)
-        except Exception as exc:
-            log.warning("cannot listen for releases on %s (%s); polling instead", self.url, exc)
-            return None
 
     # -- reaping -------------------------------------------------------------------------
 
