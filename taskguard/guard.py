@@ -25,9 +25,10 @@ from taskguard.keys import (
     optional_seconds,
     validate_holder,
     validate_limit,
+    validate_marker,
     validate_ttl,
 )
-from taskguard.lease import Attempt, Holder, Lease, LockInfo
+from taskguard.lease import Attempt, Holder, Lease, LockInfo, Marker, ReapResult
 from taskguard.store import Store
 from taskguard.waiting import wait_for
 
@@ -40,17 +41,6 @@ _HOSTNAME = socket.gethostname()
 DEFAULT_HISTORY_RETENTION = 7 * 24 * 3600.0
 # Cap on rows returned by held(); an operator listing more wants SQL, not a list.
 _DEFAULT_LIMIT = 10_000
-
-
-class ReapResult(int):
-    """Number of rows a reap removed (an ``int``), plus how many batches it took."""
-
-    batches: int
-
-    def __new__(cls, removed: int, batches: int) -> ReapResult:
-        obj = super().__new__(cls, removed)
-        obj.batches = batches
-        return obj
 
 
 class TaskGuard:
@@ -171,11 +161,18 @@ class TaskGuard:
         limit: int = 1,
         min_hold: float | timedelta | None = None,
         wait: float | timedelta | None = None,
+        unless: str | None = None,
     ) -> Attempt:
         """:meth:`acquire`, also saying who holds the key when it is taken: an
         :class:`~taskguard.lease.Attempt` ``(lease, holder)`` with the holder read
-        once, by the same call that found the conflict (and logged it)."""
+        once, by the same call that found the conflict (and logged it).
+
+        ``unless=K``: refused while key K is held, e.g. a :class:`Marker` left by
+        :meth:`release` (checked by the acquire statement itself where the dialect
+        can); the holder is then K's row if ``key`` itself is free."""
         key = normalize_key(key)
+        if unless is not None:
+            unless = normalize_key(unless)
         seconds = validate_ttl(ttl)
         validate_holder(task_name, task_id, hostname, pid, slot)
         holder = Holder(
@@ -186,7 +183,7 @@ class TaskGuard:
         )
         store = self._store
         if limit == 1 and min_hold is None and wait is None and type(limit) is int:
-            values = store.grant_values(key, slot, uuid.uuid4().hex, seconds, holder)
+            values = store.grant_values(key, slot, uuid.uuid4().hex, seconds, holder, 1, unless)
             lease = store.grant(values, 1, seconds, 0.0)
             return self._outcome(lease, values, holder, None)
         n = validate_limit(limit, slot)
@@ -194,7 +191,9 @@ class TaskGuard:
         waiting = optional_seconds(wait, "wait")
         # One owner for every attempt (the waiters' queue knows it); the row keeps the
         # throttle window, so a crashed holder frees it no earlier.
-        values = store.grant_values(key, slot, uuid.uuid4().hex, max(seconds, hold), holder, n)
+        values = store.grant_values(
+            key, slot, uuid.uuid4().hex, max(seconds, hold), holder, n, unless
+        )
 
         def attempt() -> Lease | None:
             return store.grant(values, n, seconds, hold)
@@ -225,6 +224,8 @@ class TaskGuard:
                 self._store.history.acquired(lease, values, waited, detail)
             return Attempt(lease, None)
         current = self._store.live_holder(key)
+        if current is None and values["unless"] is not None:
+            current = self._store.live_holder(values["unless"])
         gave_up = f" (gave up after waiting {waited:.3f}s)" if waited else ""
         if current is None:
             log.info("lock %r busy; holder released before it could be read%s", key, gave_up)
@@ -238,11 +239,16 @@ class TaskGuard:
             )  # fmt: skip
         return Attempt(None, current)
 
-    def release(self, lease: Lease) -> bool:
+    def release(self, lease: Lease, *, marker: Marker | None = None) -> bool:
         """Give the lease back. ``True`` if this call ended it; ``False`` if it had
         already expired or been taken over (a stale owner never touches another's row).
-        Under a throttle window (``min_hold``) the key stays taken until the window ends."""
-        ended, by_statement = self._store.release(lease)
+        Under a throttle window (``min_hold``) the key stays taken until the window ends.
+
+        ``marker``: also take that key for ``marker.ttl`` seconds (either way), in the
+        same statement on PostgreSQL; see ``unless=`` of :meth:`try_acquire`."""
+        if marker is not None:
+            marker = validate_marker(marker, lease.key, self.hostname)
+        ended, by_statement = self._store.release(lease, marker)
         if by_statement and self.history:
             self._record_end(lease, "released" if ended else "lost", "at release")
         return ended
@@ -303,15 +309,7 @@ class TaskGuard:
                 )
 
     def _record_end(self, lease: Lease, event: str, when: str) -> None:
-        detail = (
-            f"found expired or taken over {when}"
-            if event == "lost"
-            else (f"key kept until the {lease.min_hold:g}s window ends" if lease.min_hold else None)
-        )
-        self._store.history.record(
-            event, lease.key, lease.slot, lease.owner, lease.token,
-            since=lease.acquired_at, detail=detail,
-        )  # fmt: skip
+        self._store.history.ended(lease, event, when)
 
     # -- inspection and operations ----------------------------------------------
 
@@ -352,11 +350,7 @@ class TaskGuard:
             who = f" by {by}" if by else ""
             log.warning("force-released %r%s (%d live lease(s))", key, who, len(ended))
             if self.history or by:
-                for slot, owner, token, holder in ended:
-                    self._store.history.record(
-                        "force_released", key, slot, owner, token, holder,
-                        detail=f"ended by {by or 'an operator'} (force_release)",
-                    )  # fmt: skip
+                self._store.history.force_released(key, ended, by)
         return bool(ended)
 
     def reap(

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 from datetime import timedelta
 
 from taskguard.exceptions import ConfigurationError, InvalidArgument, InvalidKey, InvalidTTL
+from taskguard.lease import Holder, Marker
 
 __all__ = [
     "MAX_KEY_LENGTH",
@@ -22,6 +24,7 @@ __all__ = [
     "optional_seconds",
     "validate_holder",
     "validate_limit",
+    "validate_marker",
     "validate_ttl",
 ]
 
@@ -141,3 +144,18 @@ def validate_limit(limit: object, slot: int = 0) -> int:
 def optional_seconds(value: object, name: str) -> float:
     """``0.0`` for ``None`` or 0, else :func:`validate_ttl`'s seconds."""
     return 0.0 if value is None or value == 0 else validate_ttl(value, name=name)
+
+
+def validate_marker(marker: Marker, lease_key: str, hostname: str) -> Marker:
+    """A :class:`~taskguard.lease.Marker` checked and completed (its key normalized,
+    its ttl in seconds, this process as its holder's host and pid by default)."""
+    key = normalize_key(marker.key)
+    if key == lease_key:
+        raise InvalidKey(f"marker key {key!r} is the lease's own key; use another key", key)
+    h = marker.holder
+    validate_holder(h.task_name, h.task_id, h.hostname, h.pid, 0)
+    return Marker(
+        key,
+        validate_ttl(marker.ttl, name="marker ttl"),
+        Holder(h.task_name, h.task_id, h.hostname or hostname, h.pid or os.getpid()),
+    )

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 from taskguard.fencing import fence
 
-__all__ = ["Attempt", "Holder", "Lease", "LockInfo"]
+__all__ = ["Attempt", "Holder", "Lease", "LockInfo", "Marker", "ReapResult"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,3 +155,26 @@ class Attempt(NamedTuple):
 
     lease: Lease | None
     holder: LockInfo | None
+
+
+@dataclass(frozen=True, slots=True)
+class Marker:
+    """A key taken for ``ttl`` seconds together with a release
+    (:meth:`taskguard.TaskGuard.release`), e.g. a record that some work finished
+    that a later :meth:`~taskguard.TaskGuard.try_acquire` (``unless=``) respects.
+    Taken unless it is held already; it ends by expiry (the reaper deletes it)."""
+
+    key: str
+    ttl: float
+    holder: Holder = Holder()
+
+
+class ReapResult(int):
+    """Number of rows a reap removed (an ``int``), plus how many batches it took."""
+
+    batches: int
+
+    def __new__(cls, removed: int, batches: int) -> ReapResult:
+        obj = super().__new__(cls, removed)
+        obj.batches = batches
+        return obj

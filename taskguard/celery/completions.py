@@ -13,6 +13,10 @@ dropped: one log line, :data:`taskguard.signals.late_copy_dropped`, and Celery's
 The record is a row of ``task_locks`` under the reserved key
 ``taskguard:finished:<task id>``, leased for ``taskguard_finished_retention``
 seconds; the reaper deletes it like any other expired row. No schema change.
+It costs no statement of its own: the run's acquire is refused while the record
+is held (``TaskGuard.try_acquire(unless=...)``, inside the acquire statement on
+PostgreSQL and SQLite), and the run's release takes it (``marker=``, the same
+statement on PostgreSQL).
 A retention of 0 turns the records (and this protection) off.
 A run that never finished (its worker was killed) leaves no record: its message
 may run again, as it always could.
@@ -30,12 +34,15 @@ from taskguard.celery.taskids import stored_task_id
 from taskguard.config import setting
 from taskguard.guard import TaskGuard
 from taskguard.keys import normalize_key, validate_ttl
+from taskguard.lease import Holder, LockInfo, Marker
 
 __all__ = [
     "PREFIX",
     "drop_late_copy",
+    "finished_by",
     "finished_key",
     "is_finished",
+    "marker",
     "outcome_is_final",
     "record_finished",
     "retention",
@@ -92,6 +99,21 @@ def tracks(task: Any, request: Any) -> bool:
     """Whether this run checks and records finished task ids (never eager runs:
     they are not delivered twice; never with a retention of 0)."""
     return not request.is_eager and retention(task) > 0
+
+
+def marker(task: Any, request: Any) -> Marker:
+    """The record that ``request.id`` finished, taken by the run's release."""
+    return Marker(
+        finished_key(request.id),
+        retention(task),
+        Holder(task.name, stored_task_id(request.id), request.hostname),
+    )
+
+
+def finished_by(holder: LockInfo | None, task_id: str) -> bool:
+    """Whether a refused acquire (``unless=finished_key(task_id)``) was refused
+    because ``task_id`` already finished."""
+    return holder is not None and holder.key == finished_key(task_id)
 
 
 def record_finished(guard: TaskGuard, task: Any, request: Any) -> None:

@@ -16,7 +16,7 @@ from taskguard.config import setting
 from taskguard.exceptions import TaskGuardError
 from taskguard.guard import TaskGuard
 from taskguard.keys import MAX_TTL, normalize_key, validate_ttl
-from taskguard.lease import Lease, LockInfo
+from taskguard.lease import Lease, LockInfo, Marker
 
 __all__ = [
     "acquire_or_holder",
@@ -91,10 +91,10 @@ def lease_from_info(info: LockInfo, min_hold: float | None = None) -> Lease:
     )
 
 
-def release_quietly(guard: TaskGuard, lease: Lease) -> bool:
+def release_quietly(guard: TaskGuard, lease: Lease, marker: Marker | None = None) -> bool:
     """Release without raising (a failure is logged; the lease then ends by expiry)."""
     try:
-        return guard.release(lease)
+        return guard.release(lease, marker=marker)
     except TaskGuardError as exc:
         log.error(
             "could not release lock %r (owner %s): %s; it ends by expiry at %s",

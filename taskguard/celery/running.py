@@ -34,7 +34,7 @@ from taskguard.config import guard_for, setting
 from taskguard.exceptions import AlreadyLocked
 from taskguard.guard import TaskGuard
 from taskguard.keys import validate_ttl
-from taskguard.lease import Lease, LockInfo
+from taskguard.lease import Lease, LockInfo, Marker
 
 __all__ = ["finish", "run_guarded"]
 
@@ -71,9 +71,13 @@ def run_guarded(task: Any, request: Any, args: tuple[Any, ...], kwargs: dict[str
         lease, claim, blocked, holder = handoff.take_over(task, guard, request, key, handed, ttl)
         if blocked:
             return run_conflict(task, guard, request, key, holder, own=True)
+    checked = False  # whether the acquire itself refused a finished task id
     if lease is None:
-        lease, holder, waited = _acquire(task, guard, request, key, ttl)
+        lease, holder, waited = _acquire(task, guard, request, key, ttl, track)
+        checked = track
         if lease is None:
+            if checked and completions.finished_by(holder, request.id):
+                completions.drop_late_copy(task, request, key)
             if opts.pending_runs and not _own(request, holder):  # [coalesce/debounce]
                 return pending.wait_for_key(task, guard, request, key, holder, waiting, header)
             return run_conflict(task, guard, request, key, holder, waited=waited)
@@ -88,7 +92,7 @@ def run_guarded(task: Any, request: Any, args: tuple[Any, ...], kwargs: dict[str
     if opts.pending_runs:  # [coalesce/debounce] the next submission becomes pending
         pending.started(guard, waiting)
         debounce.started(guard, header)
-    if track and completions.is_finished(guard, request.id):
+    if track and not checked and completions.is_finished(guard, request.id):
         finish(task, run)
         completions.drop_late_copy(task, request, key)
     return _body(task, guard, request, run, args, kwargs, track)
@@ -124,22 +128,29 @@ def _body(
             heartbeat.stop()
         if token is not None:
             exit_run(token)
-        if track and completions.outcome_is_final(outcome, task):
-            completions.record_finished(guard, task, request)
-        if run is not None:
-            finish(task, run)
+        final = track and completions.outcome_is_final(outcome, task)
+        if run is not None and not run.handed_over:
+            # The finished record goes with the release (one statement on PostgreSQL).
+            finish(task, run, completions.marker(task, request) if final else None)
+        else:
+            if final:
+                completions.record_finished(guard, task, request)
+            if run is not None:
+                finish(task, run)
 
 
 def _acquire(
-    task: Any, guard: TaskGuard, request: Any, key: str, ttl: float
+    task: Any, guard: TaskGuard, request: Any, key: str, ttl: float, track: bool
 ) -> tuple[Lease | None, LockInfo | None, float | None]:
-    """The run's lease, or the holder that kept it from us; with
-    on_conflict="wait" also the seconds waited (one blocking acquire)."""
+    """The run's lease, or the holder that kept it from us (``track``: refused,
+    holder the record, if this task id already finished); with on_conflict="wait"
+    also the seconds waited (one blocking acquire)."""
     opts = task.taskguard_options
     details = {
         "task_name": task.name,
         "task_id": stored_task_id(request.id),
         "hostname": request.hostname,
+        "unless": completions.finished_key(request.id) if track else None,
         **opts.acquire_options,
     }
     if opts.on_conflict != "wait":
@@ -220,15 +231,16 @@ def run_conflict(
     raise task.retry(countdown=countdown, exc=AlreadyLocked(key, holder))
 
 
-def finish(task: Any, run: ActiveRun) -> None:
-    """Give back the run's lease (unless a retry carries it on) and its claim row."""
+def finish(task: Any, run: ActiveRun, marker: Marker | None = None) -> None:
+    """Give back the run's lease (unless a retry carries it on) and its claim row;
+    ``marker`` is taken by the same release."""
     lease = run.lease
     assert lease is not None
     held_for = time.monotonic() - run.started
     if run.handed_over:
         log.debug("lock %r kept for the retry of %s", lease.key, task.name)
     else:
-        released = release_quietly(run.guard, lease)
+        released = release_quietly(run.guard, lease, marker)
         if not released and run.lost is None:
             log.warning(
                 "lock %r (owner %s) had expired or been taken over before %s released it",

@@ -150,6 +150,12 @@ class LockSQL:
     record_acquired: Statement
     events: Statement
     trim_events: Statement
+    #: ``acquire`` refused while the key ``:unless`` is held (one statement); None:
+    #: the store reads that key first.
+    acquire_unless: Statement | None = None
+    #: ``release`` that also takes the marker key ``:mark_key`` for ``:mark_ttl``
+    #: seconds, in one transaction and one round trip; None: two statements.
+    release_marking: Statement | None = None
 
 
 class ErrorKind(enum.Enum):
@@ -217,6 +223,9 @@ class Dialect:
     acquire_slots_sql: ClassVar[str] = ""
     #: The takeover token inside acquire_slots_sql.
     takeover_token_sql: ClassVar[str] = ""
+    #: A release and a marker grant in one statement (a data-modifying CTE), as text
+    #: with the fields of acquire_slots_sql; "" where the dialect has no such thing.
+    release_marking_sql: ClassVar[str] = ""
 
     def own_statements(self, fl: Flavor) -> dict[str, Any]:
         """Statements this dialect writes itself, by :class:`LockSQL` field name,

@@ -81,6 +81,21 @@ WITH expired AS MATERIALIZED (
 SELECT pick.slot, won.token, won.acquired_at, won.expires_at FROM pick LEFT JOIN won ON true
 """
 
+#: Release a lease and take a marker key (e.g. "this task id finished") in one
+#: statement: one round trip and one commit instead of two. Durable, unlike a plain
+#: release (the marker must survive a crash). rowcount is the release's.
+_RELEASE_MARKING = """
+WITH marked AS (
+    INSERT INTO task_locks AS task_locks ({cols})
+    VALUES (:mark_key, 0, :mark_owner, nextval('task_locks_token_seq'), {now}, {plus_mark_ttl},
+            :task_name, :task_id, :hostname, :pid)
+    ON CONFLICT (key, slot) DO UPDATE SET {takeover}
+    WHERE {free_row}
+)
+UPDATE task_locks SET expires_at = {now}
+WHERE key = :key AND slot = :slot AND owner = :owner AND expires_at > {now}
+"""
+
 # Reaping: delete rows whose lease ended more than `grace` ago (:grace is negative
 # seconds), in batches, re-checking expiry in the DELETE itself. Returns (deleted,
 # scanned, cursor); the cursor is what the next batch passes as :after.
@@ -227,6 +242,7 @@ class PostgreSQL(Dialect):
     statement_errors = (psycopg.DataError, psycopg.IntegrityError, psycopg.ProgrammingError)
     acquire_slots_sql = _ACQUIRE_SLOTS
     takeover_token_sql = "nextval('task_locks_token_seq')"
+    release_marking_sql = _RELEASE_MARKING
 
     def flavor(self) -> Flavor:
         grace = f"{_NOW} - interval '{RESERVE_GRACE} seconds'"

@@ -112,6 +112,7 @@ def build_lock_sql(d: Dialect, sa_dialect: SADialect) -> LockSQL:
     own = d.own_statements(fl)
     # A dialect that writes its own acquire need not offer the upsert hooks.
     acquire = own["acquire"] if "acquire" in own else _acquire(d, fl)
+    acquire_unless = None if "acquire" in own else _acquire(d, fl, unless=True)
     acquire_slots = own["acquire_slots"] if "acquire_slots" in own else _acquire_slots(d, fl)
 
     mine = and_(
@@ -229,11 +230,16 @@ def build_lock_sql(d: Dialect, sa_dialect: SADialect) -> LockSQL:
     return LockSQL(
         **{name: compiled(name) for name in shared},
         reaped_events=None if reaped_events is None else c(text(reaped_events)),
+        acquire_unless=None if acquire_unless is None else c(acquire_unless),
+        release_marking=c(text(_with_fields(d, fl, d.release_marking_sql)))
+        if d.release_marking_sql
+        else None,
     )
 
 
-def _acquire(d: Dialect, fl: Flavor) -> Any:
-    """The shared ``INSERT … SELECT … ON CONFLICT DO UPDATE … WHERE <free>``."""
+def _acquire(d: Dialect, fl: Flavor, *, unless: bool = False) -> Any:
+    """The shared ``INSERT … SELECT … ON CONFLICT DO UPDATE … WHERE <free>``;
+    ``unless``: no row to insert (so no takeover either) while key ``:unless`` is held."""
     now = fl.now
     # A key someone holds is refused by a read: without this pre-check the upsert
     # would lock the live row to evaluate its takeover condition, which makes every
@@ -260,9 +266,16 @@ def _acquire(d: Dialect, fl: Flavor) -> Any:
         "expires_at": fl.plus("ttl"),
         **{col: bindparam(col) for col in HOLDER_COLS},
     }
-    ins = d.insert(_t).from_select(
-        list(grant_cols), select(*grant_cols.values()).where(~taken.exists())
-    )
+    refusals = [~taken.exists()]
+    if unless:
+        marker = _t.alias("marker")
+        refusals.append(
+            ~select(literal_column("1"))
+            .select_from(marker)
+            .where(marker.c.key == bindparam("unless"), marker.c.expires_at > now)
+            .exists()
+        )
+    ins = d.insert(_t).from_select(list(grant_cols), select(*grant_cols.values()).where(*refusals))
     return ins.on_conflict_do_update(
         index_elements=[_t.c.key, _t.c.slot],
         set_={
@@ -279,19 +292,23 @@ def _acquire(d: Dialect, fl: Flavor) -> Any:
 
 
 def _acquire_slots(d: Dialect, fl: Flavor) -> Any:
-    return text(
-        d.acquire_slots_sql.format(
-            cols=INSERT_COLS,
-            counter=SQLITE_TOKEN_TABLE,
-            now=fl.now_sql,
-            plus_ttl=fl.plus_sql("ttl"),
-            free_t=free_sql(fl, "t", ":owner"),
-            free_row=free_sql(fl, "task_locks", "excluded.owner"),
-            takeover=TAKEOVER_SET.format(
-                token=d.takeover_token_sql,
-                **{c: _USED_UP_SQL.format(col=c) for c in _RESERVATION},
-            ),
-        )
+    return text(_with_fields(d, fl, d.acquire_slots_sql))
+
+
+def _with_fields(d: Dialect, fl: Flavor, sql: str) -> str:
+    """A dialect's text statement with the shared fragments filled in."""
+    return sql.format(
+        cols=INSERT_COLS,
+        counter=SQLITE_TOKEN_TABLE,
+        now=fl.now_sql,
+        plus_ttl=fl.plus_sql("ttl"),
+        plus_mark_ttl=fl.plus_sql("mark_ttl"),
+        free_t=free_sql(fl, "t", ":owner"),
+        free_row=free_sql(fl, "task_locks", "excluded.owner"),
+        takeover=TAKEOVER_SET.format(
+            token=d.takeover_token_sql,
+            **{c: _USED_UP_SQL.format(col=c) for c in _RESERVATION},
+        ),
     )
 
 

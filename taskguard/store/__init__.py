@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import uuid
 from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, Literal, TypeVar, cast
@@ -21,7 +22,7 @@ from sqlalchemy import URL, Engine
 from taskguard.deadline import DEFAULT_CALL_TIMEOUT, pop_limit, push_limit
 from taskguard.dialects import Dialect, Statement, lock_sql_for
 from taskguard.exceptions import DatabaseUnavailable, OutcomeUnknown
-from taskguard.lease import Holder, Lease, LockInfo
+from taskguard.lease import Holder, Lease, LockInfo, Marker
 from taskguard.store.connections import Executor, create_lock_engine
 from taskguard.store.errors import translate_error
 from taskguard.store.events import EventLog
@@ -105,10 +106,19 @@ class Store:
     # -- grants --------------------------------------------------------------------
 
     def grant_values(
-        self, key: str, slot: int, owner: str, seconds: float, holder: Holder, n: int = 1
+        self,
+        key: str,
+        slot: int,
+        owner: str,
+        seconds: float,
+        holder: Holder,
+        n: int = 1,
+        unless: str | None = None,
     ) -> dict[str, Any]:
-        """The parameters of one grant attempt (kept across retries of it)."""
+        """The parameters of one grant attempt (kept across retries of it); refused
+        while the key ``unless`` is held."""
         return {
+            "unless": unless,
             "key": key,
             "slot": slot,
             "n": n,
@@ -132,6 +142,12 @@ class Store:
         """
         key = values["key"]
         stmt = self._sql.acquire if limit == 1 else self._sql.acquire_slots
+        unless = values.get("unless")
+        if unless is not None:
+            if limit == 1 and self._sql.acquire_unless is not None:
+                stmt = self._sql.acquire_unless
+            elif self.live_holder(unless) is not None:
+                return None
         try:
             rows, _ = self.run(stmt, values)
         except (OutcomeUnknown, DatabaseUnavailable) as exc:
@@ -217,28 +233,56 @@ class Store:
         return None
 
     @_bounded
-    def release(self, lease: Lease) -> tuple[bool, bool]:
+    def release(self, lease: Lease, marker: Marker | None = None) -> tuple[bool, bool]:
         """End ``lease`` if its owner still holds it: ``(ended, by_statement)``;
-        ``by_statement`` is False when the outcome came from a read-back."""
+        ``by_statement`` is False when the outcome came from a read-back. ``marker``
+        is taken whether or not the lease was still ours: in the same statement
+        where the dialect can, else by a second one."""
         values: dict[str, Any] = {"key": lease.key, "slot": lease.slot, "owner": lease.owner}
         stmt = self._sql.release
         if lease.min_hold:
             stmt = self._sql.release_hold
             values["hold"] = self._secs(lease.min_hold)
+        elif marker is not None and self._sql.release_marking is not None:
+            stmt = self._sql.release_marking
+            values.update(self._marker_values(marker))
+        # The marker still to take by itself: unless the statement took it.
+        separate = None if stmt is self._sql.release_marking else marker
         try:
             _, count = self.run(stmt, values)
         except DatabaseUnavailable as exc:
             if not exc.statement_sent:
                 raise
+            separate = marker  # committed or not, taking it again is harmless
             info = self._reread_or_unknown(lease, "releasing", exc)
-            if info is None or info.owner != lease.owner:
-                return False, False
-            if not info.held:
+            if info is None or info.owner != lease.owner or not info.held:
+                if separate is not None:
+                    self._take_marker(separate)
+                if info is None or info.owner != lease.owner:
+                    return False, False
                 # Still our row but ended before its expiry: our release committed and
                 # only the reply was lost. Ended at or after it: it had expired.
                 return info.expires_at < lease.expires_at, False
             _, count = self.run(stmt, values)
+            separate = None if stmt is self._sql.release_marking else marker
+        if separate is not None:
+            self._take_marker(separate)
         return count == 1, True
+
+    def _marker_values(self, marker: Marker) -> dict[str, Any]:
+        return {
+            "mark_key": marker.key,
+            "mark_owner": uuid.uuid4().hex,
+            "mark_ttl": self._secs(marker.ttl),
+            "task_name": marker.holder.task_name,
+            "task_id": marker.holder.task_id,
+            "hostname": marker.holder.hostname,
+            "pid": marker.holder.pid,
+        }
+
+    def _take_marker(self, marker: Marker) -> None:
+        values = self.grant_values(marker.key, 0, uuid.uuid4().hex, marker.ttl, marker.holder)
+        self.grant(values, 1, marker.ttl, 0.0)
 
     @_bounded
     def renew(self, lease: Lease, seconds: float) -> RenewOutcome:

@@ -49,6 +49,28 @@ class EventLog:
         rows, _ = self._db.run(self._sql.events, {"key": key, "limit": limit})
         return [LockEvent.from_row(r, self._dialect.to_datetime) for r in reversed(rows)]
 
+    def ended(self, lease: Lease, event: str, when: str) -> None:
+        """``released`` or ``lost`` (found so ``when``)."""
+        detail = (
+            f"found expired or taken over {when}"
+            if event == "lost"
+            else (f"key kept until the {lease.min_hold:g}s window ends" if lease.min_hold else None)
+        )
+        self.record(
+            event, lease.key, lease.slot, lease.owner, lease.token,
+            since=lease.acquired_at, detail=detail,
+        )  # fmt: skip
+
+    def force_released(
+        self, key: str, ended: list[tuple[int, str, int, Holder]], by: str | None
+    ) -> None:
+        """Each lease a force release ended, with the operator's name."""
+        for slot, owner, token, holder in ended:
+            self.record(
+                "force_released", key, slot, owner, token, holder,
+                detail=f"ended by {by or 'an operator'} (force_release)",
+            )  # fmt: skip
+
     def record(
         self,
         event: str,
