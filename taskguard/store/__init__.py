@@ -246,27 +246,24 @@ class Store:
         elif marker is not None and self._sql.release_marking is not None:
             stmt = self._sql.release_marking
             values.update(self._marker_values(marker))
-        # The marker still to take by itself: unless the statement took it.
-        separate = None if stmt is self._sql.release_marking else marker
+        if marker is not None and stmt is not self._sql.release_marking:
+            # Before the release: the key is never free while the record is missing.
+            self._take_marker(marker)
         try:
             _, count = self.run(stmt, values)
         except DatabaseUnavailable as exc:
             if not exc.statement_sent:
                 raise
-            separate = marker  # committed or not, taking it again is harmless
+            if stmt is self._sql.release_marking and marker is not None:
+                self._take_marker(marker)  # committed or not: taking it again is harmless
             info = self._reread_or_unknown(lease, "releasing", exc)
-            if info is None or info.owner != lease.owner or not info.held:
-                if separate is not None:
-                    self._take_marker(separate)
-                if info is None or info.owner != lease.owner:
-                    return False, False
+            if info is None or info.owner != lease.owner:
+                return False, False
+            if not info.held:
                 # Still our row but ended before its expiry: our release committed and
                 # only the reply was lost. Ended at or after it: it had expired.
                 return info.expires_at < lease.expires_at, False
             _, count = self.run(stmt, values)
-            separate = None if stmt is self._sql.release_marking else marker
-        if separate is not None:
-            self._take_marker(separate)
         return count == 1, True
 
     def _marker_values(self, marker: Marker) -> dict[str, Any]:

@@ -88,3 +88,11 @@ def test_bad_markers_are_refused_before_anything_is_written(guard: TaskGuard) ->
         guard.release(lease, marker=Marker("done:j", -1))
     assert guard.is_held_by(lease)
     assert guard.get("done:j") is None
+
+
+def test_a_marker_with_a_throttle_window(guard: TaskGuard) -> None:
+    lease = guard.acquire("slow", 30, min_hold=5)
+    assert lease is not None
+    assert guard.release(lease, marker=Marker("done:h", 30)) is True
+    assert guard.get("done:h") is not None and guard.get("done:h").held  # type: ignore[union-attr]
+    assert guard.acquire("slow", 30) is None  # the window still holds the key
