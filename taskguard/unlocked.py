@@ -91,7 +91,8 @@ class NoLockGuard:
         """The handed-over lease, always still held."""
         return self._lease(key, ttl, int(kw.get("slot", 0)), owner)
 
-    def release(self, lease: Lease) -> bool:
+    def release(self, lease: Lease, *, marker: Any = None) -> bool:
+        """Nothing to give back; a ``marker`` is not kept (nothing is ever refused)."""
         return True
 
     def renew(self, lease: Lease, ttl: float | timedelta | None = None) -> bool:
