@@ -90,6 +90,14 @@ def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
         ">=",
         "pairs/s, taskguard durable=False / celery-once Redis backend",
     )
+    guarded, queue_once = _rate(by_id, "e2e.guarded"), _rate(by_id, "e2e.once")
+    add(
+        "guarded end-to-end >= celery-once end-to-end (issue 18)",
+        guarded / queue_once if guarded and queue_once else None,
+        1.0,
+        ">=",
+        "tasks/s, @guarded_task / celery-once QueueOnce, same worker and broker",
+    )
     add(
         "guarded end-to-end >= 0.9 x unguarded",
         ratio("e2e.guarded"),
