@@ -172,11 +172,13 @@ def test_short_runs_do_not_wake_the_renewer(
         Heartbeat(run, None, "tid").start().stop()
         time.sleep(0.002)  # as between tasks: the thread could run here
     assert wakes == []
-    short = ActiveRun(pg_guard, "k", lease, request=None)
-    lease.ttl = 0.3  # due before the thread's next look: it must be woken
-    beat = Heartbeat(short, None, "tid").start()
+    # A run due before the thread's next look is still renewed on time.
+    short_lease = pg_guard.acquire("k2", 0.3)
+    assert short_lease is not None
+    first_expiry = short_lease.expires_at
+    beat = Heartbeat(ActiveRun(pg_guard, "k2", short_lease, request=None), None, "t").start()
     try:
-        assert wakes
+        time.sleep(0.25)
+        assert short_lease.expires_at > first_expiry
     finally:
         beat.stop()
-        lease.ttl = 300
