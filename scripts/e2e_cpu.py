@@ -61,7 +61,11 @@ def _kind(pid: int, worker_pid: int) -> str | None:
     if "redis-server" in cmd:
         return "redis"
     if "celery" in cmd and "e2e_app" in cmd:
-        return "worker main" if pid == worker_pid else "worker child"
+        # Only our worker (its own session): another run's worker may be busy too.
+        with contextlib.suppress(OSError):
+            if os.getsid(pid) == worker_pid:
+                return "worker main" if pid == worker_pid else "worker child"
+        return None
     return None
 
 

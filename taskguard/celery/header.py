@@ -41,7 +41,10 @@ def header_of(request: Any) -> dict[str, Any]:
     if isinstance(request, Mapping):
         value, headers = request.get(HEADER), request.get("headers")
     else:
-        value, headers = getattr(request, HEADER, None), getattr(request, "headers", None)
+        value = getattr(request, HEADER, None)
+        if type(value) is dict:  # a worker's request, read on every run: no ABC checks
+            return dict(value)
+        headers = getattr(request, "headers", None)
     if not isinstance(value, Mapping) and isinstance(headers, Mapping):
         value = headers.get(HEADER)
     return dict(value) if isinstance(value, Mapping) else {}

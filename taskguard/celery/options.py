@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
+from functools import cached_property
 from typing import Any
 
 from taskguard.celery.keys import KeyDeriver, KeyOption
@@ -166,9 +167,11 @@ class GuardOptions:
             raise ConfigurationError("GuardOptions made without build() cannot derive keys")
         return self.keys
 
-    @property
-    def acquire_options(self) -> dict[str, Any]:
+    @cached_property
+    def acquire_options(self) -> Mapping[str, Any]:
         """Extra keyword arguments for :meth:`TaskGuard.acquire` (limit, min_hold)."""
+        # Read on every run and publish: derived once (the options are frozen), and
+        # typed read-only since every caller shares it.
         extra: dict[str, Any] = {}
         if self.limit != 1:
             extra["limit"] = self.limit
@@ -176,17 +179,17 @@ class GuardOptions:
             extra["min_hold"] = self.min_hold
         return extra
 
-    @property
+    @cached_property
     def pending_runs(self) -> bool:
         """[coalesce/debounce] Whether a submission may wait as the key's pending run."""
         return self.on_conflict == "coalesce" or self.debounce is not None
 
-    @property
+    @cached_property
     def locks_queue(self) -> bool:
         """Whether ``.delay()``/``.apply_async()`` take the lock before publishing."""
         return self.lock in ("queue", "queue_and_run")
 
-    @property
+    @cached_property
     def locks_run(self) -> bool:
         """Whether the lock is held while the body runs."""
         return self.lock in ("run", "queue_and_run")

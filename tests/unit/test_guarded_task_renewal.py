@@ -151,3 +151,34 @@ def test_stopped_heartbeats_do_not_pile_up(pg_guard: TaskGuard) -> None:
         Heartbeat(run, None, "tid").start().stop()
     assert renewal._renewer().scheduled() == 0
     assert len(renewal._renewer()._heap) <= 64
+
+
+def test_short_runs_do_not_wake_the_renewer(
+    pg_guard: TaskGuard, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A wake-up per run (a thread switch per task) cost more CPU than the rest of
+    # the run side; a run far shorter than ttl/3 must leave the thread asleep.
+    lease = pg_guard.acquire("k", 300)
+    assert lease is not None
+    run = ActiveRun(pg_guard, "k", lease, request=None)
+    Heartbeat(run, None, "tid").start().stop()  # the thread exists from here on
+    time.sleep(0.05)
+    renewer = renewal._renewer()
+    cond = renewer._cond
+    wakes: list[int] = []
+    real_notify = cond.notify
+    monkeypatch.setattr(cond, "notify", lambda n=1: (wakes.append(n), real_notify(n)))
+    for _ in range(50):
+        Heartbeat(run, None, "tid").start().stop()
+        time.sleep(0.002)  # as between tasks: the thread could run here
+    assert wakes == []
+    # A run due before the thread's next look is still renewed on time.
+    short_lease = pg_guard.acquire("k2", 0.3)
+    assert short_lease is not None
+    first_expiry = short_lease.expires_at
+    beat = Heartbeat(ActiveRun(pg_guard, "k2", short_lease, request=None), None, "t").start()
+    try:
+        time.sleep(0.25)
+        assert short_lease.expires_at > first_expiry
+    finally:
+        beat.stop()
