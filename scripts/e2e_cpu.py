@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -28,7 +29,7 @@ from pathlib import Path
 import psycopg
 import redis
 
-from taskguard import schema
+from taskguard import Marker, TaskGuard, schema
 
 SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
@@ -77,6 +78,29 @@ def _snapshot(worker_pid: int) -> dict[tuple[int, str], int]:
             if kind is not None:
                 out[(int(name), kind)] = _ticks(int(name))
     return out
+
+
+def _statements_cpu(url: str, n: int, durable: bool) -> float:
+    """Client CPU (us) of the statements a guarded run sends, issued through the same
+    TaskGuard API in a loop: the part of the pool child's cost that is the lock's
+    own round trips, to tell it from @guarded_task's Python around them."""
+    guard = TaskGuard(url, durable=durable)
+    try:
+
+        def pair(i: int) -> None:
+            done = f"taskguard:finished:cpu-{uuid.uuid4().hex}"
+            lease = guard.try_acquire(f"cpu:{i % 50}", 60, unless=done).lease
+            assert lease is not None
+            guard.release(lease, marker=Marker(done, 7200))
+
+        for i in range(200):
+            pair(i)
+        cpu0 = time.process_time()
+        for i in range(n):
+            pair(i)
+        return (time.process_time() - cpu0) * 1e6 / n
+    finally:
+        guard.dispose()
 
 
 def main() -> int:
@@ -142,13 +166,26 @@ def main() -> int:
         kinds = ("publisher", "worker main", "worker child", "postgres", "rabbitmq", "redis")
         header = " ".join(f"{k:>12s}" for k in kinds)
         print(f"{'task':24s} {'tasks/s':>8s} {header}   (CPU us/task)")
+        added: list[float] = []
         for rnd in range(args.rounds):
+            child: dict[str, float] = {}
             for task in (e2e_app.plain, e2e_app.guarded):
                 rate, per = batch(task, args.tasks, rnd * 10**7 + (task is e2e_app.guarded) * 10**8)
+                child[task.name] = per.get("worker child", 0.0)
                 print(
                     f"{task.name.removeprefix(prefix):24s} {rate:8.0f} "
                     + " ".join(f"{per.get(k, 0.0):12.0f}" for k in kinds)
                 )
+            added.append(child[e2e_app.guarded.name] - child[e2e_app.plain.name])
+        pair = _statements_cpu(url, args.tasks, not args.relaxed)
+        beyond = statistics.median(added) - pair
+        print(
+            f"\npool child, guarded - plain: {', '.join(f'{a:.0f}' for a in added)} us/task "
+            f"(median {statistics.median(added):.0f}); the guarded run's two statements "
+            f"(acquire with unless=, release with marker=) by hand in this process: {pair:.0f} "
+            f"us client CPU; beyond them: {beyond:.0f} us/task "
+            f"({'met' if beyond <= 100 else 'MISSED'}: target <= 100 us, issue 18)"
+        )
         for key in counter.scan_iter(f"{prefix}*"):
             counter.delete(key)
     finally:
