@@ -131,13 +131,16 @@ def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
         "<=",
         "grants seen held by two processes at once (shared counter per key)",
     )
-    peaks = [_extra(by_id, f"storm.{m}", "max_at_once") for m in ("run", "queue_and_run")]
+    peaks = [
+        _extra(by_id, f"storm.{m}", "max_at_once") for m in ("run", "queue_and_run", "coalesce")
+    ]
     add(
         "storm: taskguard runs one feed at most once at a time",
         None if None in peaks else float(max(p for p in peaks if p is not None)),
         1.0,
         "<=",
-        'most runs of one feed at once, lock="run" and "queue_and_run", from run start/end times',
+        'most runs of one feed at once, lock="run", "queue_and_run" and on_conflict="coalesce", '
+        "from run start/end times",
     )
     add(
         "overrun: same when runs outlive the ttl (renewed)",

@@ -9,8 +9,9 @@ RabbitMQ. One storm per lock, one after the other, on the same worker.
 
 Per variant: the wall time from the first submission until the worker has
 finished the last message that was published; the runs executed; submissions
-refused at ``.delay()`` (queue-phase locks); duplicates that reached the worker
-only to be skipped; and the most runs of one feed at once, computed afterwards
+refused at ``.delay()`` (queue-phase locks; for ``coalesce``, submissions merged
+into the feed's pending run); duplicates that reached the worker only to be
+skipped (a deferred pending run is counted once, when it ends); and the most runs of one feed at once, computed afterwards
 from every run's recorded start and end times (taskguard.demo.record).
 
 The overrun case: runs of 1.5 s under a 1 s lock (the recipe's expiry, taskguard's
@@ -44,7 +45,6 @@ SECTION = "5. storm"
 CONCURRENCY = 4
 #: A Redis database no test uses (tests use 0 and 1, the other sections 11).
 REDIS_DB = int(os.environ.get("TGBENCH_STORM_REDIS_DB", "12"))
-NOT_YET = 'not run: on_conflict="coalesce" does not exist yet (measure it when it lands)'
 
 #: (row id suffix, storm_app task attribute, label)
 STORM = (
@@ -54,6 +54,7 @@ STORM = (
     ("singleton", "singleton", "storm: celery-singleton Singleton"),
     ("run", "run", 'storm: @guarded_task(lock="run")'),
     ("queue_and_run", "queue_and_run", 'storm: @guarded_task(lock="queue_and_run")'),
+    ("coalesce", "coalesce", 'storm: @guarded_task(on_conflict="coalesce")'),
 )
 OVERRUN = (
     ("overrun_recipe", "recipe_long", "overrun: cookbook recipe, 1 s expiry, 1.5 s runs"),
@@ -73,9 +74,6 @@ def rows() -> list[Row]:
         )
 
     out = [r(id_, label, None if id_ == "plain" else "storm.plain") for id_, _, label in STORM]
-    coalesce = r("coalesce", 'storm: @guarded_task(on_conflict="coalesce")', None)
-    coalesce.status = NOT_YET
-    out.append(coalesce)
     out += [r(id_, label, None) for id_, _, label in OVERRUN]
     return out
 

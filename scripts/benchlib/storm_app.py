@@ -4,7 +4,7 @@ One feed importer (``import_feed(feed_url)``: sleep for the work, then record th
 run) under every lock the storm compares: none; the Celery docs' cookbook recipe
 (``cache.add`` on Django's cache, backed by a private memcached); celery-once's
 ``QueueOnce``; celery-singleton's ``Singleton``; taskguard's ``@guarded_task`` with
-``lock="run"`` and ``lock="queue_and_run"``. Two more run longer than their lock's
+``lock="run"``, ``lock="queue_and_run"`` and ``on_conflict="coalesce"``. Two more run longer than their lock's
 expiry: the recipe with a 1 s expiry and ``lock="run"`` with a 1 s ttl.
 
 Each body records its run (feed, start, end; ``time.monotonic()``, one clock for every
@@ -91,6 +91,7 @@ ONCE = f"{PREFIX}once"
 SINGLETON = f"{PREFIX}singleton"
 RUN = f"{PREFIX}run"
 QUEUE_AND_RUN = f"{PREFIX}queue_and_run"
+COALESCE = f"{PREFIX}coalesce"
 RECIPE_LONG = f"{PREFIX}recipe_long"
 RUN_LONG = f"{PREFIX}run_long"
 
@@ -181,6 +182,11 @@ def queue_and_run(feed_url: str) -> None:
     _import(QUEUE_AND_RUN, feed_url, WORK)
 
 
+@guarded_task(app=app, key=PREFIX + "co:{feed_url}", ttl=TTL, on_conflict="coalesce", name=COALESCE)
+def coalesce(feed_url: str) -> None:
+    _import(COALESCE, feed_url, WORK)
+
+
 @app.task(bind=True, name=RECIPE_LONG)
 def recipe_long(self: Task, feed_url: str) -> None:
     _recipe(self, feed_url, LONG_EXPIRE, LONG_WORK)
@@ -192,7 +198,9 @@ def run_long(feed_url: str) -> None:
 
 
 @task_postrun.connect
-def _count_delivery(sender: Any = None, **_: Any) -> None:
+def _count_delivery(sender: Any = None, state: str | None = None, **_: Any) -> None:
+    if state == "RETRY":
+        return  # a coalesced pending run deferred while its feed runs: it comes back
     name = getattr(sender, "name", "")
     if name.startswith(PREFIX):
         _client().incr(done_key(name))
