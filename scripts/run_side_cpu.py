@@ -63,7 +63,7 @@ def _stub(parts: set[str]) -> None:
         running.header_of = lambda request: {"v": 1, "key": "k", "via": "enqueue"}
         running.message_key = lambda opts, header, args, kwargs: "k"
     if "acq" in parts:
-        running._acquire = lambda task, guard, request, key, ttl: (  # type: ignore[assignment]
+        running._acquire = lambda task, guard, request, key, ttl, track: (  # type: ignore[assignment]
             guard.try_acquire(key, ttl).lease,
             None,
             None,
@@ -81,7 +81,6 @@ def main() -> int:
     app.conf.update(
         task_ignore_result=True,
         taskguard_database_url="postgresql+psycopg://nobody@127.0.0.1:1/unused",
-        taskguard_finished_retention=0,  # its statements are the storage layer's
     )
 
     @app.task(name="plain")
@@ -97,7 +96,7 @@ def main() -> int:
     guard.try_acquire = lambda key, ttl, **_: Attempt(  # type: ignore[method-assign]
         Lease(key, "owner", 1, NOW, NOW, ttl), None
     )
-    guard.release = lambda lease: True  # type: ignore[method-assign]
+    guard.release = lambda lease, **_: True  # type: ignore[method-assign]
     _stub({s for s in args.stub.split(",") if s})
 
     def run(name: str, n: int) -> float:
