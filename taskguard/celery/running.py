@@ -77,6 +77,8 @@ def run_guarded(task: Any, request: Any, args: tuple[Any, ...], kwargs: dict[str
         checked = track
         if lease is None:
             if checked and completions.finished_by(holder, request.id):
+                if waiting is not None:  # [coalesce/debounce] not a run that will happen
+                    release_quietly(guard, waiting)
                 completions.drop_late_copy(task, request, key)
             if opts.pending_runs and not _own(request, holder):  # [coalesce/debounce]
                 return pending.wait_for_key(task, guard, request, key, holder, waiting, header)
