@@ -115,8 +115,10 @@ def test_twenty_submissions_100ms_apart_give_one_run_with_the_last_arguments(
     kid = penv.key_id("twenty")
     results = []
     for i in range(20):
-        results.append(task.delay(kid, f"n{i}"))
+        # Read before the call: the countdown starts inside it (Celery's eta is now +
+        # countdown when the message is built), not when .delay() returns.
         last_sent = datetime.now(timezone.utc)
+        results.append(task.delay(kid, f"n{i}"))
         time.sleep(0.1)
     wait_for(lambda: runs(penv, kid), 20, "the debounced run")
     time.sleep(1.5)  # anything more would have started by now
