@@ -77,7 +77,7 @@ def test_a_long_run_releases_at_once(guard: TaskGuard) -> None:
 
 
 def _crash(url: str) -> None:
-    TaskGuard(url).acquire("crashy", 0.1, min_hold=0.6)
+    TaskGuard(url).acquire("crashy", 0.1, min_hold=2.0)
     os._exit(0)
 
 
@@ -87,9 +87,14 @@ def test_a_crashed_run_still_holds_its_window(db_url: str) -> None:
     child.join(timeout=30)
     guard = TaskGuard(db_url)
     try:
-        time.sleep(0.2)  # past the 0.1s ttl, inside the 0.6s window
+        # Past the 0.1 s ttl, inside the 2 s window (wide: on a loaded machine the
+        # fork, the child's connect and this guard's took over 0.6 s).
+        time.sleep(0.2)
         assert guard.acquire("crashy", 30) is None
-        time.sleep(0.5)
+        info = guard.get("crashy")
+        assert info is not None and info.expires_at - info.acquired_at == timedelta(seconds=2)
+        left = (info.expires_at - guard.db_now()).total_seconds()
+        time.sleep(max(left, 0.0) + 0.05)
         assert guard.acquire("crashy", 30) is not None
     finally:
         guard.dispose()
