@@ -160,8 +160,10 @@ def test_a_steady_stream_still_runs_at_least_once_per_debounce_max(penv: Pending
 # -- rate= ---------------------------------------------------------------------------------
 
 #: Runs are recorded a moment after their slot is taken; two recordings may be
-#: this much closer together than the slots' grants were.
-RECORDING_SLACK = 0.1
+#: this much closer together than the slots' grants were. On a loaded machine a
+#: body can start a few hundred ms after its grant while a later one starts at
+#: once; the guarantee itself is checked exactly, by the database clock, below.
+RECORDING_SLACK = 0.5
 
 
 def test_a_ten_second_stream_never_starts_more_than_three_in_two_seconds(
