@@ -19,8 +19,6 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from celery import states as celery_states
-from celery.result import EagerResult
 from celery.utils import uuid
 
 from taskguard import signals
@@ -35,7 +33,7 @@ from taskguard.celery.leasing import (
     release_quietly,
     send_released,
 )
-from taskguard.celery.results import skipped_result
+from taskguard.celery.results import marker_in_hand, skipped_result
 from taskguard.celery.taskids import is_shortened, stored_task_id
 from taskguard.config import guard_for
 from taskguard.exceptions import AlreadyLocked
@@ -159,12 +157,4 @@ def _conflict(
         headers[HEADER] = {"v": 1, "key": key, "via": "enqueue", "skipped": value}
         return send(args, kwargs, task_id, headers, options)
     log.warning("skipped %s[%s]: lock %r is held by %s", task.name, task_id, key, described)
-    conf = task._get_app().conf
-    if not options.get("ignore_result", task.ignore_result) and (
-        not conf.task_always_eager or conf.task_store_eager_result
-    ):
-        try:
-            task.backend.store_result(task_id, value, celery_states.SUCCESS)
-        except Exception as exc:  # the caller still gets the marker in hand
-            log.warning("could not store the skipped result of %s: %s", task_id, exc)
-    return EagerResult(task_id, value, celery_states.SUCCESS, name=task.name)
+    return marker_in_hand(task, task_id, value, options)

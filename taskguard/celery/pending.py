@@ -33,8 +33,6 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-from celery import states as celery_states
-from celery.result import EagerResult
 from celery.utils import uuid
 
 from taskguard import signals
@@ -47,7 +45,7 @@ from taskguard.celery.leasing import (
     lease_from_info,
     release_quietly,
 )
-from taskguard.celery.results import MARKER
+from taskguard.celery.results import MARKER, marker_in_hand
 from taskguard.celery.taskids import stored_task_id
 from taskguard.companions import companion_key
 from taskguard.config import guard_for
@@ -176,15 +174,7 @@ def merged(task: Any, key: str, task_id: str, holder: LockInfo, options: dict[st
     signals.lock_conflict.send(sender=task, key=key, holder=holder, action="coalesce")
     signals.run_coalesced.send(sender=task, key=key, task_id=task_id, into=into, replaced=False)
     value = coalesced_result(task=task.name, task_id=task_id, key=key, into=into, phase="queue")
-    conf = task._get_app().conf
-    if not options.get("ignore_result", task.ignore_result) and (
-        not conf.task_always_eager or conf.task_store_eager_result
-    ):
-        try:
-            task.backend.store_result(task_id, value, celery_states.SUCCESS)
-        except Exception as exc:  # the caller still gets the marker in hand
-            log.warning("could not store the coalesced result of %s: %s", task_id, exc)
-    return EagerResult(task_id, value, celery_states.SUCCESS, name=task.name)
+    return marker_in_hand(task, task_id, value, options)
 
 
 # -- worker ---------------------------------------------------------------------------------

@@ -19,11 +19,17 @@ It is a plain dict so it survives any result serializer. Test with
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+from celery import states as celery_states
+from celery.result import EagerResult
 
 from taskguard.lease import LockInfo
 
-__all__ = ["MARKER", "SKIPPED", "is_skipped", "skipped_result"]
+__all__ = ["MARKER", "SKIPPED", "is_skipped", "marker_in_hand", "skipped_result"]
+
+log = logging.getLogger("taskguard.celery")
 
 #: The dict key that marks taskguard's own result values.
 MARKER = "__taskguard__"
@@ -49,3 +55,18 @@ def is_skipped(value: object) -> bool:
     """Whether ``value`` (a task's return value or ``AsyncResult.get()``) is the
     result of a run skipped because its lock was held."""
     return isinstance(value, dict) and value.get(MARKER) == SKIPPED
+
+
+def marker_in_hand(task: Any, task_id: str, value: dict[str, Any], options: Any) -> EagerResult:
+    """What ``.delay()`` returns for a submission answered at enqueue (skipped, or
+    merged into a pending run): an EagerResult holding ``value``, also stored in the
+    result backend (where results are kept) so ``AsyncResult(task_id)`` finds it."""
+    conf = task._get_app().conf
+    if not options.get("ignore_result", task.ignore_result) and (
+        not conf.task_always_eager or conf.task_store_eager_result
+    ):
+        try:
+            task.backend.store_result(task_id, value, celery_states.SUCCESS)
+        except Exception as exc:  # the caller still gets the marker in hand
+            log.warning("could not store the %s result of %s: %s", value[MARKER], task_id, exc)
+    return EagerResult(task_id, value, celery_states.SUCCESS, name=task.name)
