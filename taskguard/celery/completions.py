@@ -34,12 +34,11 @@ from taskguard.celery.taskids import stored_task_id
 from taskguard.config import setting
 from taskguard.guard import TaskGuard
 from taskguard.keys import normalize_key, validate_ttl
-from taskguard.lease import Holder, LockInfo, Marker
+from taskguard.lease import Holder, Marker
 
 __all__ = [
     "PREFIX",
     "drop_late_copy",
-    "finished_by",
     "finished_key",
     "is_finished",
     "marker",
@@ -101,19 +100,14 @@ def tracks(task: Any, request: Any) -> bool:
     return not request.is_eager and retention(task) > 0
 
 
-def marker(task: Any, request: Any) -> Marker:
-    """The record that ``request.id`` finished, taken by the run's release."""
+def marker(task: Any, request: Any, key: str | None = None) -> Marker:
+    """The record that ``request.id`` finished (at ``key``, its
+    :func:`finished_key` when the caller has it already), taken by the run's release."""
     return Marker(
-        finished_key(request.id),
+        key or finished_key(request.id),
         retention(task),
         Holder(task.name, stored_task_id(request.id), request.hostname),
     )
-
-
-def finished_by(holder: LockInfo | None, task_id: str) -> bool:
-    """Whether a refused acquire (``unless=finished_key(task_id)``) was refused
-    because ``task_id`` already finished."""
-    return holder is not None and holder.key == finished_key(task_id)
 
 
 def record_finished(guard: TaskGuard, task: Any, request: Any) -> None:

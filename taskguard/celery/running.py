@@ -51,13 +51,15 @@ def run_guarded(task: Any, request: Any, args: tuple[Any, ...], kwargs: dict[str
     key = message_key(opts, header, args, kwargs)
     guard = guard_for(task._get_app())
     track = completions.tracks(task, request)
+    # This run's finished record: refuses the acquire, then rides on the release.
+    done = completions.finished_key(request.id) if track else None
     if not opts.locks_run:
         if track and completions.is_finished(guard, request.id):
             completions.drop_late_copy(task, request, key)
         blocked, holder = handoff.start_queue_phase(task, guard, request, key, header)
         if blocked:
             return run_conflict(task, guard, request, key, holder)
-        return _body(task, guard, request, None, args, kwargs, track)
+        return _body(task, guard, request, None, args, kwargs, done)
     ttl = task._ttl()
     lease = claim = None
     # [coalesce/debounce] a pending run first checks it is still the key's pending run.
@@ -73,10 +75,10 @@ def run_guarded(task: Any, request: Any, args: tuple[Any, ...], kwargs: dict[str
             return run_conflict(task, guard, request, key, holder, own=True)
     checked = False  # whether the acquire itself refused a finished task id
     if lease is None:
-        lease, holder, waited = _acquire(task, guard, request, key, ttl, track)
+        lease, holder, waited = _acquire(task, guard, request, key, ttl, done)
         checked = track
         if lease is None:
-            if checked and completions.finished_by(holder, request.id):
+            if checked and holder is not None and holder.key == done:
                 if waiting is not None:  # [coalesce/debounce] not a run that will happen
                     release_quietly(guard, waiting)
                 completions.drop_late_copy(task, request, key)
@@ -97,7 +99,7 @@ def run_guarded(task: Any, request: Any, args: tuple[Any, ...], kwargs: dict[str
     if track and not checked and completions.is_finished(guard, request.id):
         finish(task, run)
         completions.drop_late_copy(task, request, key)
-    return _body(task, guard, request, run, args, kwargs, track)
+    return _body(task, guard, request, run, args, kwargs, done)
 
 
 def _body(
@@ -107,7 +109,7 @@ def _body(
     run: ActiveRun | None,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    track: bool,
+    done: str | None,
 ) -> Any:
     token = enter_run(run) if run is not None else None
     heartbeat = Heartbeat(run, task, request.id) if run is not None else None
@@ -130,10 +132,10 @@ def _body(
             heartbeat.stop()
         if token is not None:
             exit_run(token)
-        final = track and completions.outcome_is_final(outcome, task)
+        final = done is not None and completions.outcome_is_final(outcome, task)
         if run is not None and not run.handed_over:
             # The finished record goes with the release (one statement on PostgreSQL).
-            finish(task, run, completions.marker(task, request) if final else None)
+            finish(task, run, completions.marker(task, request, done) if final else None)
         else:
             if final:
                 completions.record_finished(guard, task, request)
@@ -142,17 +144,17 @@ def _body(
 
 
 def _acquire(
-    task: Any, guard: TaskGuard, request: Any, key: str, ttl: float, track: bool
+    task: Any, guard: TaskGuard, request: Any, key: str, ttl: float, done: str | None
 ) -> tuple[Lease | None, LockInfo | None, float | None]:
-    """The run's lease, or the holder that kept it from us (``track``: refused,
-    holder the record, if this task id already finished); with on_conflict="wait"
+    """The run's lease, or the holder that kept it from us (refused, holder the
+    record, while the finished record ``done`` is held); with on_conflict="wait"
     also the seconds waited (one blocking acquire)."""
     opts = task.taskguard_options
     details = {
         "task_name": task.name,
         "task_id": stored_task_id(request.id),
         "hostname": request.hostname,
-        "unless": completions.finished_key(request.id) if track else None,
+        "unless": done,
         **opts.acquire_options,
     }
     if opts.on_conflict != "wait":
