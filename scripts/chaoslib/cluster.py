@@ -17,9 +17,10 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from types import TracebackType
 
 import psycopg
+
+from chaoslib.servers import PrivateServer
 
 PG_BIN = Path(os.environ.get("TASKGUARD_PG_BIN", "/usr/lib/postgresql/15/bin"))
 _OS_USER = "postgres"
@@ -38,7 +39,7 @@ def _as_server_user(cmd: list[str]) -> list[str]:
     return ["runuser", "-u", _OS_USER, "--", *cmd]
 
 
-class ThrowawayCluster:
+class ThrowawayCluster(PrivateServer):
     """A private PostgreSQL cluster: ``with ThrowawayCluster() as c: c.crash()``.
 
     ``settings`` are extra ``-c name=value`` server options (e.g. a long
@@ -153,19 +154,6 @@ class ThrowawayCluster:
                 )
             self.running = False
         shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self) -> ThrowawayCluster:
-        try:
-            self.start()
-        except BaseException:
-            self.destroy()
-            raise
-        return self
-
-    def __exit__(
-        self, _t: type[BaseException] | None, _e: BaseException | None, _tb: TracebackType | None
-    ) -> None:
-        self.destroy()
 
     # -- addressing ----------------------------------------------------------------
 

@@ -20,10 +20,10 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from chaoslib.cluster import free_port
+from chaoslib.servers import PrivateServer
 
 MARIADBD = os.environ.get("TASKGUARD_MARIADBD", "/usr/sbin/mariadbd")
 INSTALL_DB = os.environ.get("TASKGUARD_MARIADB_INSTALL_DB", "/usr/bin/mariadb-install-db")
@@ -43,7 +43,7 @@ def _connect(port: int, database: str | None = None) -> Any:
     )
 
 
-class ThrowawayMariaDB:
+class ThrowawayMariaDB(PrivateServer):
     """A private MariaDB server: ``with ThrowawayMariaDB() as m: m.crash_restart()``."""
 
     def __init__(self) -> None:
@@ -145,19 +145,6 @@ class ThrowawayMariaDB:
                 self.proc.kill()
                 self.proc.wait(timeout=60)
         shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self) -> ThrowawayMariaDB:
-        try:
-            self.start()
-        except BaseException:
-            self.destroy()
-            raise
-        return self
-
-    def __exit__(
-        self, _t: type[BaseException] | None, _e: BaseException | None, _tb: TracebackType | None
-    ) -> None:
-        self.destroy()
 
     # -- addressing ------------------------------------------------------------------
 

@@ -18,9 +18,10 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from types import TracebackType
 
 import psycopg
+
+from chaoslib.servers import PrivateServer
 
 __all__ = ["PgBouncer", "pgbouncer_binary", "pgbouncer_version"]
 
@@ -51,7 +52,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class PgBouncer:
+class PgBouncer(PrivateServer):
     """``with PgBouncer(5432, pool_mode="transaction") as b: b.url("db")``.
 
     ``server_port``/``server_host``: the PostgreSQL server behind it (trust auth,
@@ -153,19 +154,6 @@ class PgBouncer:
     def destroy(self) -> None:
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self) -> PgBouncer:
-        try:
-            self.start()
-        except BaseException:
-            self.destroy()
-            raise
-        return self
-
-    def __exit__(
-        self, _t: type[BaseException] | None, _e: BaseException | None, _tb: TracebackType | None
-    ) -> None:
-        self.destroy()
 
     # -- addressing --------------------------------------------------------------------
 
