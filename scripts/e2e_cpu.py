@@ -1,16 +1,18 @@
 #!/usr/bin/env python3
 """Where the CPU of a guarded task goes: the end-to-end benchmark's trivial tasks
-through a real prefork worker (``-c 1``), with the CPU time of every process
-involved read from /proc before and after each batch.
+(plain, ``@guarded_task``, celery-once) through a real prefork worker (``-c 1``
+unless told), with the CPU time of every process involved read from /proc before
+and after each batch.
 
-    python scripts/e2e_cpu.py [--tasks 2000] [--rounds 2] [--relaxed]
+    python scripts/e2e_cpu.py [--tasks 2000] [--rounds 2] [-c 2] [--relaxed]
+                              [--no-prefetch-grants]
 
 Needs the local PostgreSQL, Redis and RabbitMQ, like ``scripts/bench.py``; makes a
 scratch database (dropped at the end) and a queue and Redis keys of its own.
 Prints CPU microseconds per task for the publisher (this process), the worker's
 main process, its pool child, all PostgreSQL processes, RabbitMQ and Redis: the
-difference between the plain and the guarded task is what the lock costs and who
-pays it (docs/benchmarks.md).
+difference between the plain and the guarded (or celery-once) task is what the
+lock costs and who pays it (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from pathlib import Path
 import psycopg
 import redis
 
-from taskguard import Marker, TaskGuard, schema
+from taskguard import Lease, LeaseRequest, Marker, TaskGuard, schema
 
 SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
@@ -80,12 +82,23 @@ def _snapshot(worker_pid: int) -> dict[tuple[int, str], int]:
     return out
 
 
-def _statements_cpu(url: str, n: int, durable: bool) -> float:
-    """Client CPU (us) of the statements a guarded run sends, issued through the same
-    TaskGuard API in a loop: the part of the pool child's cost that is the lock's
-    own round trips, to tell it from @guarded_task's Python around them."""
+def _statements_cpu(url: str, n: int, durable: bool, grants_in_main: bool) -> float:
+    """Client CPU (us) of the statements a guarded run's pool process sends, issued
+    through the same TaskGuard API in a loop: the part of the process's cost that
+    is the lock's own round trips, to tell it from @guarded_task's Python around
+    them. With the main process granting (taskguard_prefetch_grants, the default)
+    that is the release with its finished record; without, the acquire too."""
     guard = TaskGuard(url, durable=durable)
     try:
+
+        def leases(first: int) -> list[tuple[Lease, str]]:
+            out = []
+            for i in range(first, first + 50, 10):
+                done = [f"taskguard:finished:cpu-{uuid.uuid4().hex}" for _ in range(10)]
+                asked = [LeaseRequest(f"cpu:{i + j}", 60, unless=d) for j, d in enumerate(done)]
+                got = guard.acquire_many(asked)
+                out += [(lease, d) for lease, d in zip(got, done, strict=True) if lease]
+            return out
 
         def pair(i: int) -> None:
             done = f"taskguard:finished:cpu-{uuid.uuid4().hex}"
@@ -93,12 +106,24 @@ def _statements_cpu(url: str, n: int, durable: bool) -> float:
             assert lease is not None
             guard.release(lease, marker=Marker(done, 7200))
 
-        for i in range(200):
-            pair(i)
-        cpu0 = time.process_time()
-        for i in range(n):
-            pair(i)
-        return (time.process_time() - cpu0) * 1e6 / n
+        if not grants_in_main:
+            for i in range(200):
+                pair(i)
+            cpu0 = time.process_time()
+            for i in range(n):
+                pair(i)
+            return (time.process_time() - cpu0) * 1e6 / n
+        spent = 0.0
+        done_count = 0
+        while done_count < n + 200:
+            batch = leases(0)  # granted untimed, as the main process does
+            cpu0 = time.process_time()
+            for lease, done in batch:
+                guard.release(lease, marker=Marker(done, 7200))
+            if done_count >= 200:  # the first 200: warm-up
+                spent += time.process_time() - cpu0
+            done_count += len(batch)
+        return spent * 1e6 / (done_count - 200)
     finally:
         guard.dispose()
 
@@ -108,6 +133,12 @@ def main() -> int:
     p.add_argument("--tasks", type=int, default=2000, help="tasks per batch")
     p.add_argument("--rounds", type=int, default=2, help="batches per variant, alternating")
     p.add_argument("--relaxed", action="store_true", help="taskguard_durable=False")
+    p.add_argument("--concurrency", "-c", type=int, default=1, help="pool processes")
+    p.add_argument(
+        "--no-prefetch-grants",
+        action="store_true",
+        help="taskguard_prefetch_grants=False: pool processes take their own leases",
+    )
     args = p.parse_args()
 
     run_id = uuid.uuid4().hex[:8]
@@ -123,6 +154,7 @@ def main() -> int:
         "TGBENCH_QUEUE": f"tgcpu-{run_id}",
         "TGBENCH_PREFIX": prefix,
         "TGBENCH_DURABLE": "0" if args.relaxed else "1",
+        "TASKGUARD_PREFETCH": "0" if args.no_prefetch_grants else "1",
         "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]),
     }
     worker = None
@@ -130,7 +162,7 @@ def main() -> int:
         schema.upgrade(url)
         worker = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "benchlib.e2e_app", "worker",
-             "-P", "prefork", "-c", "1", "-l", "WARNING", "-Q", env["TGBENCH_QUEUE"],
+             "-P", "prefork", "-c", str(args.concurrency), "-l", "WARNING", "-Q", env["TGBENCH_QUEUE"],
              "--without-gossip", "--without-mingle", "--without-heartbeat",
              "-n", f"tgcpu-{run_id}@%h"],
             cwd=SCRIPTS, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
@@ -163,27 +195,54 @@ def main() -> int:
         time.sleep(3)
         batch(e2e_app.plain, 200, 10**9)  # warm-up: connections, prepared statements
         batch(e2e_app.guarded, 200, 2 * 10**9)
+        batch(e2e_app.once, 200, 3 * 10**9)
         kinds = ("publisher", "worker main", "worker child", "postgres", "rabbitmq", "redis")
         header = " ".join(f"{k:>12s}" for k in kinds)
         print(f"{'task':24s} {'tasks/s':>8s} {header}   (CPU us/task)")
-        added: list[float] = []
+        added: dict[str, list[float]] = {"worker child": [], "worker main": []}
+        once_added: dict[str, list[float]] = {k: [] for k in kinds}
+        guarded_added: dict[str, list[float]] = {k: [] for k in kinds}
         for rnd in range(args.rounds):
-            child: dict[str, float] = {}
-            for task in (e2e_app.plain, e2e_app.guarded):
-                rate, per = batch(task, args.tasks, rnd * 10**7 + (task is e2e_app.guarded) * 10**8)
-                child[task.name] = per.get("worker child", 0.0)
+            seen: dict[str, dict[str, float]] = {}
+            for n, task in enumerate((e2e_app.plain, e2e_app.guarded, e2e_app.once)):
+                rate, per = batch(task, args.tasks, rnd * 10**7 + n * 10**8)
+                seen[task.name] = per
                 print(
                     f"{task.name.removeprefix(prefix):24s} {rate:8.0f} "
                     + " ".join(f"{per.get(k, 0.0):12.0f}" for k in kinds)
                 )
-            added.append(child[e2e_app.guarded.name] - child[e2e_app.plain.name])
-        pair = _statements_cpu(url, args.tasks, not args.relaxed)
-        beyond = statistics.median(added) - pair
+            plain, guarded, once = (
+                seen[t.name] for t in (e2e_app.plain, e2e_app.guarded, e2e_app.once)
+            )
+            for k in kinds:
+                guarded_added[k].append(guarded.get(k, 0.0) - plain.get(k, 0.0))
+                once_added[k].append(once.get(k, 0.0) - plain.get(k, 0.0))
+            for k, values in added.items():
+                values.append(guarded.get(k, 0.0) - plain.get(k, 0.0))
+        med = statistics.median
+        print("\nadded CPU per task over the plain task (median of the rounds, us):")
+        print(f"{'':24s} {'':8s} " + " ".join(f"{k:>12s}" for k in kinds) + f" {'total':>12s}")
+        for label, table in (("guarded", guarded_added), ("once", once_added)):
+            cells = [med(table[k]) for k in kinds]
+            print(
+                f"{label:24s} {'':8s} "
+                + " ".join(f"{c:12.0f}" for c in cells)
+                + f" {sum(cells):12.0f}"
+            )
+        grants_in_main = not args.no_prefetch_grants
+        sent = _statements_cpu(url, args.tasks, not args.relaxed, grants_in_main)
+        child = med(added["worker child"])
+        beyond = child - sent
+        what = (
+            "its release with the finished record (the main process granted)"
+            if grants_in_main
+            else "acquire with unless= and release with marker="
+        )
         print(
-            f"\npool child, guarded - plain: {', '.join(f'{a:.0f}' for a in added)} us/task "
-            f"(median {statistics.median(added):.0f}); the guarded run's two statements "
-            f"(acquire with unless=, release with marker=) by hand in this process: {pair:.0f} "
-            f"us client CPU; beyond them: {beyond:.0f} us/task "
+            f"\npool process, guarded - plain: "
+            f"{', '.join(f'{a:.0f}' for a in added['worker child'])} us/task (median "
+            f"{child:.0f}); the statements it sends, {what}, by hand in this process: "
+            f"{sent:.0f} us client CPU; beyond them: {beyond:.0f} us/task "
             f"({'met' if beyond <= 100 else 'MISSED'}: target <= 100 us, issue 18)"
         )
         for key in counter.scan_iter(f"{prefix}*"):

@@ -26,7 +26,7 @@ from taskguard.exceptions import (
 from taskguard.guard import ReapResult, TaskGuard
 from taskguard.history import LockEvent
 from taskguard.keys import normalize_key, validate_ttl
-from taskguard.lease import Attempt, Holder, Lease, LockInfo, Marker
+from taskguard.lease import Attempt, Holder, Lease, LeaseRequest, LockInfo, Marker
 from taskguard.models import TaskLock, TaskLockEvent, metadata
 
 __version__ = "0.1.0"
@@ -44,6 +44,7 @@ __all__ = [
     "InvalidTTL",
     "Lease",
     "LeaseLost",
+    "LeaseRequest",
     "LockEvent",
     "LockHeld",
     "LockInfo",

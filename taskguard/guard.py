@@ -15,6 +15,7 @@ from typing import Any
 
 from sqlalchemy import URL, Engine
 
+from taskguard.batch import BatchOperations
 from taskguard.deadline import DEFAULT_CALL_TIMEOUT
 from taskguard.exceptions import InvalidKey, LockHeld
 from taskguard.fencing import fence
@@ -43,7 +44,7 @@ DEFAULT_HISTORY_RETENTION = 7 * 24 * 3600.0
 _DEFAULT_LIMIT = 10_000
 
 
-class TaskGuard:
+class TaskGuard(BatchOperations):
     """Per-key leases stored in ``task_locks``.
 
     ``url_or_engine`` is a SQLAlchemy URL (taskguard creates and owns a small
@@ -250,7 +251,7 @@ class TaskGuard:
             marker = validate_marker(marker, lease.key, self.hostname)
         ended, by_statement = self._store.release(lease, marker)
         if by_statement and self.history:
-            self._record_end(lease, "released" if ended else "lost", "at release")
+            self._store.history.ended(lease, "released" if ended else "lost", "at release")
         return ended
 
     def renew(self, lease: Lease, ttl: float | timedelta | None = None) -> bool:
@@ -259,7 +260,7 @@ class TaskGuard:
         seconds = lease.ttl if ttl is None else validate_ttl(ttl)
         outcome = self._store.renew(lease, seconds)
         if outcome == "lost" and self.history:
-            self._record_end(lease, "lost", "at renewal")
+            self._store.history.ended(lease, "lost", "at renewal")
         return outcome == "renewed"
 
     def adopt(
@@ -307,9 +308,6 @@ class TaskGuard:
                     lease.key,
                     lease.owner,
                 )
-
-    def _record_end(self, lease: Lease, event: str, when: str) -> None:
-        self._store.history.ended(lease, event, when)
 
     # -- inspection and operations ----------------------------------------------
 

@@ -31,6 +31,7 @@ app.conf.update(
     worker_hijack_root_logger=False,
     taskguard_database_url=DB_URL,
     taskguard_durable=os.environ.get("TGBENCH_DURABLE", "1") == "1",
+    taskguard_prefetch_grants=os.environ.get("TASKGUARD_PREFETCH", "1") == "1",
     ONCE={
         "backend": "celery_once.backends.Redis",
         "settings": {"url": REDIS_URL, "default_timeout": TTL},

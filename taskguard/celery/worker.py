@@ -32,7 +32,7 @@ from celery.platforms import signals as platform_signals
 from celery.worker.request import Request
 from kombu.asynchronous import get_event_loop
 
-from taskguard.celery import pending
+from taskguard.celery import pending, prefetched
 from taskguard.celery.header import header_of, message_key
 from taskguard.celery.leasing import (
     claim_key,
@@ -108,6 +108,19 @@ def release_dead_run(
             send_released(task, lease, released, (info.read_at - info.acquired_at).total_seconds())
         if claim is not None:
             release_quietly(guard, lease_from_info(claim))
+        granted = header.get(prefetched.GRANTED)
+        if isinstance(granted, dict) and release_quietly(guard, Lease.from_dict(granted)):
+            # Taken by this main process for the child (its pid is ours): by owner.
+            count += 1
+            log.warning(
+                "released lock %r held by %s[%s] (pid %s on %s, taken by the main process): %s",
+                key,
+                task.name,
+                task_id,
+                pid,
+                nodename,
+                why,
+            )
         pending.give_up(task, header)  # [coalesce] a dead pending run gives its place back
         return count
     except Exception:
@@ -149,6 +162,10 @@ class GuardedRequest(Request):  # type: ignore[misc]
 
     A task that brings its own ``Request`` class should derive it from this one.
     """
+
+    def on_accepted(self, pid: int, time_accepted: float) -> None:
+        prefetched.started(self.id)  # its prefetched grant, if any, is the child's now
+        super().on_accepted(pid, time_accepted)
 
     def terminate(self, pool: Any, signal: Any = None) -> None:
         started = bool(self.time_start)

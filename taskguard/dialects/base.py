@@ -156,6 +156,13 @@ class LockSQL:
     #: ``release`` that also takes the marker key ``:mark_key`` for ``:mark_ttl``
     #: seconds, in one transaction and one round trip; None: two statements.
     release_marking: Statement | None = None
+    #: Many grants, one statement, for ``n`` rows (``key_0``, ``owner_0``, … as
+    #: parameters): rows (key, owner, token, acquired_at, expires_at) of the granted
+    #: ones; None: one ``acquire_unless`` per grant.
+    acquire_many: Callable[[int], Statement] | None = None
+    #: Many releases by owner with their markers, ``n`` rows: rows (key, owner) of
+    #: the released ones; None: one release (and marker) each.
+    release_many: Callable[[int], Statement] | None = None
 
 
 class ErrorKind(enum.Enum):
@@ -226,6 +233,14 @@ class Dialect:
     #: A release and a marker grant in one statement (a data-modifying CTE), as text
     #: with the fields of acquire_slots_sql; "" where the dialect has no such thing.
     release_marking_sql: ClassVar[str] = ""
+    #: Many single-slot grants in one statement (fields as above, plus ``{rows}``:
+    #: ``acquire_many_row`` once per row, ``{i}`` its number); "" where the dialect
+    #: has none (:meth:`TaskGuard.acquire_many` then loops).
+    acquire_many_sql: ClassVar[str] = ""
+    acquire_many_row: ClassVar[str] = ""
+    #: Many releases (each with its marker, if any) in one statement; the same shape.
+    release_many_sql: ClassVar[str] = ""
+    release_many_row: ClassVar[str] = ""
 
     def own_statements(self, fl: Flavor) -> dict[str, Any]:
         """Statements this dialect writes itself, by :class:`LockSQL` field name,

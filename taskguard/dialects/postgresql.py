@@ -36,6 +36,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql as pg
 from sqlalchemy.sql import func
 
+from taskguard.dialects import postgresql_batch as batch_sql
 from taskguard.dialects.base import RESERVE_GRACE, Dialect, ErrorKind, Flavor, ReapStep, T
 from taskguard.models import RELEASE_CHANNEL, token_sequence
 
@@ -252,6 +253,10 @@ class PostgreSQL(Dialect):
     acquire_slots_sql = _ACQUIRE_SLOTS
     takeover_token_sql = "nextval('task_locks_token_seq')"
     release_marking_sql = _RELEASE_MARKING
+    acquire_many_sql = batch_sql.ACQUIRE_MANY
+    acquire_many_row = batch_sql.ACQUIRE_MANY_ROW
+    release_many_sql = batch_sql.RELEASE_MANY
+    release_many_row = batch_sql.RELEASE_MANY_ROW
 
     def flavor(self) -> Flavor:
         grace = f"{_NOW} - interval '{RESERVE_GRACE} seconds'"

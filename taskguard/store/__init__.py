@@ -23,6 +23,7 @@ from taskguard.deadline import DEFAULT_CALL_TIMEOUT, pop_limit, push_limit
 from taskguard.dialects import Dialect, Statement, lock_sql_for
 from taskguard.exceptions import DatabaseUnavailable, OutcomeUnknown
 from taskguard.lease import Holder, Lease, LockInfo, Marker
+from taskguard.store.batches import Batches
 from taskguard.store.connections import Executor, create_lock_engine
 from taskguard.store.errors import translate_error
 from taskguard.store.events import EventLog
@@ -94,6 +95,8 @@ class Store:
         self.history = EventLog(self._db, self._sql, self.dialect)
         #: Waiters' announcements and release notifications.
         self.waiters = Waiters(self._db, self._sql, listen_url)
+        #: Many grants in one statement.
+        self.batches = Batches(self._db, self._sql, call_timeout)
 
     def run(self, stmt: Statement, values: Mapping[str, Any]) -> tuple[list[tuple[Any, ...]], int]:
         """Execute one statement in its own transaction: (rows, affected count)."""

@@ -1,0 +1,151 @@
+"""Many single-slot grants in one statement (where the dialect has one): one round
+trip and one commit for a Celery worker's prefetched messages instead of one per
+message (:meth:`taskguard.TaskGuard.acquire_many`)."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+from taskguard.deadline import pop_limit, push_limit
+from taskguard.dialects import LockSQL
+from taskguard.exceptions import DatabaseUnavailable, OutcomeUnknown
+from taskguard.lease import Lease, Marker
+from taskguard.store.connections import Executor
+
+__all__ = ["Batches"]
+
+log = logging.getLogger("taskguard")
+
+_FIELDS = ("key", "owner", "ttl", "task_name", "task_id", "hostname", "pid", "unless")
+_RELEASE_FIELDS = (
+    "key", "owner", "mark_key", "mark_owner", "mark_ttl", "task_name", "task_id", "hostname", "pid",
+)  # fmt: skip
+#: Batches are padded up to one of these lengths: a handful of prepared statements.
+SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+class Batches:
+    """The batch side of one :class:`~taskguard.store.Store`."""
+
+    def __init__(self, db: Executor, sql: LockSQL, call_timeout: float) -> None:
+        self._db = db
+        self._sql = sql
+        self.call_timeout = call_timeout
+
+    @property
+    def one_statement(self) -> bool:
+        """Whether :meth:`grant` and :meth:`release` send one statement (else the
+        caller loops)."""
+        return self._sql.acquire_many is not None and self._sql.release_many is not None
+
+    def grant(self, batch: list[dict[str, Any]], seconds: list[float]) -> list[Lease | None]:
+        """Grant what is free of ``batch`` (parameters as ``Store.grant_values``
+        makes them, slot 0, each key once) in one statement: the leases, ``None``
+        where refused. If the connection broke with the statement sent, the batch's
+        owners give back whatever it may have granted (so the outcome is known:
+        nothing held); if even that fails, :class:`~taskguard.OutcomeUnknown`."""
+        assert self._sql.acquire_many is not None, "no batch acquire (see one_statement)"
+        if len(batch) > SIZES[-1]:
+            head = SIZES[-1]
+            return self.grant(batch[:head], seconds[:head]) + self.grant(
+                batch[head:], seconds[head:]
+            )
+        size, params = _rows(batch, _FIELDS)
+        token = push_limit(self.call_timeout)
+        try:
+            try:
+                rows, _ = self._db.run(self._sql.acquire_many(size), params)
+            except DatabaseUnavailable as exc:
+                if not exc.statement_sent:
+                    raise
+                self._give_back(batch, exc)
+                return [None] * len(batch)
+        finally:
+            pop_limit(token)
+        conv = self._db.dialect.to_datetime
+        got = {(key, owner): (token, at, until) for key, owner, token, at, until in rows}
+        out: list[Lease | None] = []
+        for values, ttl in zip(batch, seconds, strict=True):
+            row = got.get((values["key"], values["owner"]))
+            if row is None:
+                out.append(None)
+                continue
+            token_, at, until = row
+            out.append(
+                Lease(values["key"], values["owner"], int(token_), conv(at), conv(until), ttl)
+            )
+        return out
+
+    def _give_back(self, batch: list[dict[str, Any]], cause: DatabaseUnavailable) -> None:
+        log.warning(
+            "connection to %s broke during a batch of %d grants; giving back what it "
+            "may have granted",
+            self._db.url,
+            len(batch),
+        )
+        for values in batch:
+            mine = {"key": values["key"], "slot": 0, "owner": values["owner"]}
+            try:
+                self._db.run(self._sql.release, mine)
+            except DatabaseUnavailable:
+                raise OutcomeUnknown(
+                    f"connection to {self._db.url} broke during a batch of grants and "
+                    f"{values['key']!r} could not be given back; owner {values['owner']} "
+                    "may hold it until its ttl ends",
+                    values["key"],
+                    values["owner"],
+                    self._db.url,
+                ) from cause
+
+    def release(self, batch: list[tuple[Lease, Marker | None]]) -> set[tuple[str, str]]:
+        """End each single-slot lease of ``batch`` its owner still holds and take
+        its marker (each marker key once), in one statement: the (key, owner) pairs
+        it ended. A statement whose connection broke is sent once more (ending by
+        owner and taking a live marker are both idempotent)."""
+        release_many = self._sql.release_many
+        assert release_many is not None, "no batch release (see one_statement)"
+        if len(batch) > SIZES[-1]:
+            head = SIZES[-1]
+            return self.release(batch[:head]) | self.release(batch[head:])
+        secs = self._db.dialect.seconds_param
+        rows = []
+        for lease, marker in batch:
+            values: dict[str, Any] = dict.fromkeys(_RELEASE_FIELDS)
+            values.update(key=lease.key, owner=lease.owner)
+            if marker is not None:
+                values.update(
+                    mark_key=marker.key,
+                    mark_owner=uuid.uuid4().hex,
+                    mark_ttl=secs(marker.ttl),
+                    task_name=marker.holder.task_name,
+                    task_id=marker.holder.task_id,
+                    hostname=marker.holder.hostname,
+                    pid=marker.holder.pid,
+                )
+            rows.append(values)
+        size, params = _rows(rows, _RELEASE_FIELDS)
+        token = push_limit(self.call_timeout)
+        try:
+            try:
+                found, _ = self._db.run(release_many(size), params)
+            except DatabaseUnavailable as exc:
+                if not exc.statement_sent:
+                    raise
+                found, _ = self._db.run(release_many(size), params)
+        finally:
+            pop_limit(token)
+        return {(key, owner) for key, owner in found}
+
+
+def _rows(batch: list[dict[str, Any]], fields: tuple[str, ...]) -> tuple[int, dict[str, Any]]:
+    """The padded length for ``batch`` and its parameters (``<field>_<row>``); the
+    padding rows are all NULL."""
+    size = next(n for n in SIZES if n >= len(batch))
+    params: dict[str, Any] = {}
+    for i in range(size):
+        values = batch[i] if i < len(batch) else None
+        for name in fields:
+            params[f"{name}_{i}"] = values[name] if values is not None else None
+    return size, params
