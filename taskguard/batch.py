@@ -87,23 +87,24 @@ class BatchOperations:
         if not self.batches_in_one_statement:
             return [self.release(lease, marker=marker) for lease, marker in items]
         batch: list[tuple[Lease, Marker | None]] = []
-        alone: list[int] = []
+        batched: list[int] = []
         marks: set[str] = set()
+        out = [False] * len(items)
         for i, (lease, given) in enumerate(items):
             marker = None if given is None else validate_marker(given, lease.key, self.hostname)
             if lease.min_hold or lease.slot or (marker is not None and marker.key in marks):
-                alone.append(i)
+                out[i] = self.release(lease, marker=marker)  # records its own history
                 continue
             if marker is not None:
                 marks.add(marker.key)
             batch.append((lease, marker))
-        ended = self._store.batches.release(batch) if batch else set()
-        out = [(lease.key, lease.owner) in ended for lease, _ in items]
-        for i in alone:
-            out[i] = self.release(items[i][0], marker=items[i][1])
-        if self.history:
-            for (lease, _), done in zip(items, out, strict=True):
-                self._store.history.ended(lease, "released" if done else "lost", "at release")
+            batched.append(i)
+        if batch:
+            ended = self._store.batches.release(batch)
+            for i, (lease, _), done in zip(batched, batch, ended, strict=True):
+                out[i] = done
+                if self.history:
+                    self._store.history.ended(lease, "released" if done else "lost", "at release")
         return out
 
 

@@ -160,9 +160,6 @@ class LockSQL:
     #: parameters): rows (key, owner, token, acquired_at, expires_at) of the granted
     #: ones; None: one ``acquire_unless`` per grant.
     acquire_many: Callable[[int], Statement] | None = None
-    #: Many releases by owner with their markers, ``n`` rows: rows (key, owner) of
-    #: the released ones; None: one release (and marker) each.
-    release_many: Callable[[int], Statement] | None = None
 
 
 class ErrorKind(enum.Enum):
@@ -238,9 +235,9 @@ class Dialect:
     #: has none (:meth:`TaskGuard.acquire_many` then loops).
     acquire_many_sql: ClassVar[str] = ""
     acquire_many_row: ClassVar[str] = ""
-    #: Many releases (each with its marker, if any) in one statement; the same shape.
-    release_many_sql: ClassVar[str] = ""
-    release_many_row: ClassVar[str] = ""
+    #: Whether the driver sends many executions of one statement in one round trip
+    #: and one transaction (psycopg's pipelined executemany): many releases.
+    pipelines: ClassVar[bool] = False
 
     def own_statements(self, fl: Flavor) -> dict[str, Any]:
         """Statements this dialect writes itself, by :class:`LockSQL` field name,

@@ -255,8 +255,7 @@ class PostgreSQL(Dialect):
     release_marking_sql = _RELEASE_MARKING
     acquire_many_sql = batch_sql.ACQUIRE_MANY
     acquire_many_row = batch_sql.ACQUIRE_MANY_ROW
-    release_many_sql = batch_sql.RELEASE_MANY
-    release_many_row = batch_sql.RELEASE_MANY_ROW
+    pipelines = True
 
     def flavor(self) -> Flavor:
         grace = f"{_NOW} - interval '{RESERVE_GRACE} seconds'"

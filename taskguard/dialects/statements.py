@@ -237,7 +237,6 @@ def build_lock_sql(d: Dialect, sa_dialect: SADialect) -> LockSQL:
         if d.release_marking_sql
         else None,
         acquire_many=_batch(d, fl, sa_dialect, d.acquire_many_sql, d.acquire_many_row),
-        release_many=_batch(d, fl, sa_dialect, d.release_many_sql, d.release_many_row),
     )
 
 

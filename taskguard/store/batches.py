@@ -19,9 +19,6 @@ __all__ = ["Batches"]
 log = logging.getLogger("taskguard")
 
 _FIELDS = ("key", "owner", "ttl", "task_name", "task_id", "hostname", "pid", "unless")
-_RELEASE_FIELDS = (
-    "key", "owner", "mark_key", "mark_owner", "mark_ttl", "task_name", "task_id", "hostname", "pid",
-)  # fmt: skip
 #: Batches are padded up to one of these lengths: a handful of prepared statements.
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -38,7 +35,9 @@ class Batches:
     def one_statement(self) -> bool:
         """Whether :meth:`grant` and :meth:`release` send one statement (else the
         caller loops)."""
-        return self._sql.acquire_many is not None and self._sql.release_many is not None
+        sql = self._sql
+        pipelines = self._db.dialect.pipelines
+        return sql.acquire_many is not None and sql.release_marking is not None and pipelines
 
     def grant(self, batch: list[dict[str, Any]], seconds: list[float]) -> list[Lease | None]:
         """Grant what is free of ``batch`` (parameters as ``Store.grant_values``
@@ -99,44 +98,49 @@ class Batches:
                     self._db.url,
                 ) from cause
 
-    def release(self, batch: list[tuple[Lease, Marker | None]]) -> set[tuple[str, str]]:
-        """End each single-slot lease of ``batch`` its owner still holds and take
-        its marker (each marker key once), in one statement: the (key, owner) pairs
-        it ended. A statement whose connection broke is sent once more (ending by
-        owner and taking a live marker are both idempotent)."""
-        release_many = self._sql.release_many
-        assert release_many is not None, "no batch release (see one_statement)"
-        if len(batch) > SIZES[-1]:
-            head = SIZES[-1]
-            return self.release(batch[:head]) | self.release(batch[head:])
+    def release(self, batch: list[tuple[Lease, Marker | None]]) -> list[bool]:
+        """End each single-slot lease of ``batch`` its owner still holds and take its
+        marker (each marker key once): pipelined, one round trip and one transaction
+        for those with a marker and one for those without, each execution the single
+        release's own statement and plan; whether each ended. A pipeline whose
+        connection broke is sent once more (ending by owner and taking a live marker
+        are idempotent; a retried release then reports False for what the first
+        attempt ended)."""
+        marking = self._sql.release_marking
+        assert marking is not None, "no release with a marker (see one_statement)"
         secs = self._db.dialect.seconds_param
-        rows = []
+        plain: list[dict[str, Any]] = []
+        marked: list[dict[str, Any]] = []
         for lease, marker in batch:
-            values: dict[str, Any] = dict.fromkeys(_RELEASE_FIELDS)
-            values.update(key=lease.key, owner=lease.owner)
-            if marker is not None:
-                values.update(
-                    mark_key=marker.key,
-                    mark_owner=uuid.uuid4().hex,
-                    mark_ttl=secs(marker.ttl),
-                    task_name=marker.holder.task_name,
-                    task_id=marker.holder.task_id,
-                    hostname=marker.holder.hostname,
-                    pid=marker.holder.pid,
-                )
-            rows.append(values)
-        size, params = _rows(rows, _RELEASE_FIELDS)
+            values: dict[str, Any] = {"key": lease.key, "slot": 0, "owner": lease.owner}
+            if marker is None:
+                plain.append(values)
+                continue
+            values.update(
+                mark_key=marker.key,
+                mark_owner=uuid.uuid4().hex,
+                mark_ttl=secs(marker.ttl),
+                task_name=marker.holder.task_name,
+                task_id=marker.holder.task_id,
+                hostname=marker.holder.hostname,
+                pid=marker.holder.pid,
+            )
+            marked.append(values)
+        ended: dict[str, int] = {}
         token = push_limit(self.call_timeout)
         try:
-            try:
-                found, _ = self._db.run(release_many(size), params)
-            except DatabaseUnavailable as exc:
-                if not exc.statement_sent:
-                    raise
-                found, _ = self._db.run(release_many(size), params)
+            for stmt, rows in ((self._sql.release, plain), (marking, marked)):
+                if rows:
+                    try:
+                        counts = self._db.run_many(stmt, rows)
+                    except DatabaseUnavailable as exc:
+                        if not exc.statement_sent:
+                            raise
+                        counts = self._db.run_many(stmt, rows)
+                    ended.update((r["owner"], n) for r, n in zip(rows, counts, strict=True))
         finally:
             pop_limit(token)
-        return {(key, owner) for key, owner in found}
+        return [ended.get(lease.owner) == 1 for lease, _ in batch]
 
 
 def _rows(batch: list[dict[str, Any]], fields: tuple[str, ...]) -> tuple[int, dict[str, Any]]:

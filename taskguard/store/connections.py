@@ -13,8 +13,8 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 from sqlalchemy import URL, Engine, create_engine
 from sqlalchemy import exc as sa_exc
@@ -24,6 +24,8 @@ from taskguard.dialects import Dialect, Statement, dialect_for
 from taskguard.exceptions import ConfigurationError, DatabaseUnavailable, TaskGuardError
 from taskguard.store.errors import translate_error
 from taskguard.urls import mask_url, parse_url
+
+_T = TypeVar("_T")
 
 __all__ = ["Executor", "create_lock_engine"]
 
@@ -149,6 +151,24 @@ class Executor:
         Returns the rows (if any) and the affected row count.
         """
         params = stmt.params(values)
+        return self._on_cursor(lambda cur: _execute(cur, stmt, params, values))
+
+    def run_many(self, stmt: Statement, values: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Execute one statement once per item of ``values``, pipelined (the dialect's
+        ``pipelines``): one round trip and one transaction, every execution with the
+        statement's own prepared plan. Returns each execution's affected row count."""
+        params = [stmt.params(v) for v in values]
+
+        def many(cur: Any) -> list[int]:
+            cur.executemany(stmt.sql, params, returning=True)
+            counts = [int(cur.rowcount)]
+            while cur.nextset():
+                counts.append(int(cur.rowcount))
+            return counts
+
+        return self._on_cursor(many)
+
+    def _on_cursor(self, work: Callable[[Any], _T]) -> _T:
         deadline = current_deadline()
         if deadline is not None and time.monotonic() >= deadline:
             raise DatabaseUnavailable(
@@ -163,7 +183,7 @@ class Executor:
             watch = watchdog.start(self.dialect.socket_of(pinned.conn.dbapi_connection))
             try:
                 try:
-                    return _execute(cur, stmt, params, values)
+                    return work(cur)
                 finally:
                     # Before the connection is dropped: its fd may be reused at once.
                     watchdog.stop(watch)
@@ -185,7 +205,7 @@ class Executor:
                     cur = conn.cursor()
                     try:
                         with watchdog.watch(self.dialect.socket_of(conn.dbapi_connection)) as watch:
-                            return _execute(cur, stmt, params, values)
+                            return work(cur)
                     except BaseException as exc:
                         if watch is not None and watch.fired:
                             conn.invalidate(exc)  # abandoned mid-statement: never reuse

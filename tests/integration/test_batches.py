@@ -116,25 +116,36 @@ def test_history_records_batch_grants_and_releases(db_url: str) -> None:
         guard.dispose()
 
 
-def test_postgresql_sends_one_statement_per_batch(
+def test_postgresql_sends_one_round_trip_per_batch(
     pg_guard: TaskGuard, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert pg_guard.batches_in_one_statement
     db = pg_guard._store._db
-    sent: list[str] = []
-    run = db.run
+    sent: list[tuple[str, int]] = []
+    run, run_many = db.run, db.run_many
 
     def counting(stmt: Any, values: Any) -> Any:
-        sent.append(stmt.sql.split()[0])
+        sent.append((stmt.sql.split()[0], 1))
         return run(stmt, values)
 
+    def counting_many(stmt: Any, values: Any) -> Any:
+        sent.append((stmt.sql.split()[0], len(values)))
+        return run_many(stmt, values)
+
     monkeypatch.setattr(db, "run", counting)
+    monkeypatch.setattr(db, "run_many", counting_many)
     leases = pg_guard.acquire_many([LeaseRequest(f"one:{i}", 30) for i in range(20)])
-    assert all(leases) and sent == ["INSERT"]
-    pg_guard.release_many(
-        [(lease, Marker(f"d:{i}", 30)) for i, lease in enumerate(leases) if lease]
+    assert all(leases) and sent == [("INSERT", 1)]  # one statement, 20 VALUES rows
+    ended = pg_guard.release_many(
+        [
+            (lease, Marker(f"d:{i}", 30) if i % 2 else None)
+            for i, lease in enumerate(leases)
+            if lease
+        ]
     )
-    assert sent == ["INSERT", "WITH"]
+    assert ended == [True] * 20
+    # One pipeline (one round trip, one transaction) per statement: with and without marker.
+    assert sorted(sent[1:]) == [("UPDATE", 10), ("WITH", 10)]
 
 
 def test_the_batch_plan_is_index_lookups_even_when_made_on_a_small_table(
