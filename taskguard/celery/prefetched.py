@@ -222,8 +222,8 @@ class _Batcher:
         return max(int(limit or self.app.conf.worker_concurrency or os.cpu_count() or 1), 1)
 
     def stop(self) -> None:
-        """The worker stopped: release what pool processes ended and give back the
-        grants no process started."""
+        """The worker stopped: give back the grants no pool process started, and stop
+        the lease thread once it has."""
         for lease in self.unstarted.values():
             self.leaser.give_back(lease)
         self.unstarted.clear()
