@@ -96,15 +96,7 @@ def release_dead_run(
             lease = lease_from_info(info, task.taskguard_options.min_hold)
             released = release_quietly(guard, lease)
             count += int(released)
-            log.warning(
-                "released lock %r held by %s[%s] (pid %s on %s): %s",
-                key,
-                task.name,
-                task_id,
-                pid,
-                nodename,
-                why,
-            )
+            _report(key, task, task_id, pid, nodename, why)
             send_released(task, lease, released, (info.read_at - info.acquired_at).total_seconds())
         if claim is not None:
             release_quietly(guard, lease_from_info(claim))
@@ -112,20 +104,27 @@ def release_dead_run(
         if isinstance(granted, dict) and release_quietly(guard, Lease.from_dict(granted)):
             # Taken by this main process for the child (its pid is ours): by owner.
             count += 1
-            log.warning(
-                "released lock %r held by %s[%s] (pid %s on %s, taken by the main process): %s",
-                key,
-                task.name,
-                task_id,
-                pid,
-                nodename,
-                why,
-            )
+            _report(key, task, task_id, pid, nodename, why, " (taken by the main process)")
         pending.give_up(task, header)  # [coalesce] a dead pending run gives its place back
         return count
     except Exception:
         log.exception("could not release the lock of %s[%s] after %s", task.name, task_id, why)
         return 0
+
+
+def _report(
+    key: str, task: Any, task_id: str, pid: int, nodename: str | None, why: str, via: str = ""
+) -> None:
+    log.warning(
+        "released lock %r held by %s[%s] (pid %s on %s%s): %s",
+        key,
+        task.name,
+        task_id,
+        pid,
+        nodename,
+        via,
+        why,
+    )
 
 
 def release_unstarted(task: Any, request: Any, header: Mapping[str, Any]) -> None:

@@ -82,6 +82,19 @@ def _occupy(setup: Setup, seconds: float) -> list[Any]:
     return results
 
 
+def _behind_busy(setup: Setup, seconds: float, task: str, name: str, duration: float) -> Any:
+    """Both processes busy for ``seconds``, then one ``task`` message of a fresh key:
+    (busy results, key id, its result, its grant as read while it waits)."""
+    busy = _occupy(setup, seconds)
+    kid = _kid(name)
+    result = setup.task(task).delay(kid, duration)
+    prefix = task.removeprefix("tg.")
+    wait_for(lambda: setup.guard.get(f"{prefix}:{kid}"), 10, "the prefetched grant")
+    granted = setup.guard.get(f"{prefix}:{kid}")
+    assert granted is not None and granted.held and granted.holder.pid == setup.worker.pid
+    return busy, kid, result, granted
+
+
 def test_the_main_process_grants_and_the_runs_hold(setup: Setup) -> None:
     kids = [_kid(f"g{i}") for i in range(40)]
     results = [setup.task("tg.slow").delay(kid, 0.02) for kid in kids]
@@ -118,12 +131,7 @@ def test_prefetched_duplicates_never_overlap(setup: Setup) -> None:
 
 
 def test_a_grant_revoked_before_it_started_is_given_back(setup: Setup) -> None:
-    busy = _occupy(setup, 2.0)
-    kid = _kid("revoked")
-    waiting = setup.task("tg.sleeper").delay(kid, 0)  # ttl 30 s
-    wait_for(lambda: setup.guard.get(f"sleeper:{kid}"), 10, "the prefetched grant")
-    granted = setup.guard.get(f"sleeper:{kid}")
-    assert granted is not None and granted.held and granted.holder.pid == setup.worker.pid
+    busy, kid, waiting, granted = _behind_busy(setup, 2.0, "tg.sleeper", "revoked", 0)  # ttl 30 s
     setup.app.control.revoke(waiting.id)
     for result in busy:
         result.get(timeout=RESULT_TIMEOUT)
@@ -138,12 +146,7 @@ def test_a_grant_that_waited_past_its_ttl_is_taken_afresh(setup: Setup) -> None:
     # tg.long has a 1.5 s ttl; the message waits 2.5 s behind two busy processes,
     # so its grant has expired when a process starts it: acquired again, never two
     # runs at once, and a token above the lapsed grant's.
-    busy = _occupy(setup, 2.5)
-    kid = _kid("lapsed")
-    late = setup.task("tg.long").delay(kid, 0.1)
-    wait_for(lambda: setup.guard.get(f"long:{kid}"), 10, "the prefetched grant")
-    granted = setup.guard.get(f"long:{kid}")
-    assert granted is not None and granted.holder.pid == setup.worker.pid
+    busy, kid, late, granted = _behind_busy(setup, 2.5, "tg.long", "lapsed", 0.1)
     token = late.get(timeout=RESULT_TIMEOUT)
     assert token > granted.token
     (run,) = runs(setup.db_url, kid)
@@ -155,12 +158,7 @@ def test_a_grant_that_waited_past_its_ttl_is_taken_afresh(setup: Setup) -> None:
 
 def test_a_grant_that_waited_a_while_is_renewed(setup: Setup) -> None:
     # 0.8 s behind busy processes: past 5% of the 1.5 s ttl, not past the ttl.
-    busy = _occupy(setup, 0.8)
-    kid = _kid("renewed")
-    late = setup.task("tg.long").delay(kid, 0.1)
-    wait_for(lambda: setup.guard.get(f"long:{kid}"), 10, "the prefetched grant")
-    granted = setup.guard.get(f"long:{kid}")
-    assert granted is not None
+    busy, _, late, granted = _behind_busy(setup, 0.8, "tg.long", "renewed", 0.1)
     assert late.get(timeout=RESULT_TIMEOUT) == granted.token  # the same lease, renewed
     for result in busy:
         result.get(timeout=RESULT_TIMEOUT)
@@ -168,12 +166,7 @@ def test_a_grant_that_waited_a_while_is_renewed(setup: Setup) -> None:
 
 def test_a_stopping_worker_gives_back_what_no_process_started(worker_db: str) -> None:
     with _start(worker_db, grants=True) as setup:
-        _occupy(setup, 1.5)
-        kid = _kid("stopped")
-        setup.task("tg.sleeper").delay(kid, 0)
-        wait_for(lambda: setup.guard.get(f"sleeper:{kid}"), 10, "the prefetched grant")
-        granted = setup.guard.get(f"sleeper:{kid}")
-        assert granted is not None and granted.held
+        _, kid, _, granted = _behind_busy(setup, 1.5, "tg.sleeper", "stopped", 0)
         setup.worker.stop()  # warm shutdown: the busy runs finish, the waiting one never starts
         freed = setup.guard.get(f"sleeper:{kid}")
         assert freed is not None and not freed.held and freed.read_at < granted.expires_at
