@@ -18,17 +18,20 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar, cast
 
 __all__ = [
     "DEFAULT_CALL_TIMEOUT",
     "DEFAULT_STATEMENT_LIMIT",
     "Watch",
+    "bounded",
     "call_limit",
     "current_deadline",
     "pop_limit",
@@ -69,6 +72,25 @@ def push_limit(seconds: float) -> contextvars.Token[float | None]:
 def pop_limit(token: contextvars.Token[float | None]) -> None:
     """Restore the deadline :func:`push_limit` replaced."""
     _DEADLINE.reset(token)
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def bounded(method: _F) -> _F:
+    """Run a lease operation (statement, read-back, retry) within its object's
+    ``call_timeout``: past it the socket is shut down, never the statement cancelled,
+    and the caller gets OutcomeUnknown / DatabaseUnavailable."""
+
+    @functools.wraps(method)
+    def within_limit(self: Any, *args: Any, **kwargs: Any) -> Any:
+        token = push_limit(self.call_timeout)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            pop_limit(token)
+
+    return cast(_F, within_limit)
 
 
 @contextlib.contextmanager

@@ -10,16 +10,15 @@ records lock history. Driver errors become taskguard's exceptions in one place,
 
 from __future__ import annotations
 
-import functools
 import logging
 import uuid
 from collections.abc import Callable, Mapping
 from datetime import datetime
-from typing import Any, Literal, TypeVar, cast
+from typing import Any, Literal
 
 from sqlalchemy import URL, Engine
 
-from taskguard.deadline import DEFAULT_CALL_TIMEOUT, pop_limit, push_limit
+from taskguard.deadline import DEFAULT_CALL_TIMEOUT, bounded
 from taskguard.dialects import Dialect, Statement, lock_sql_for
 from taskguard.exceptions import DatabaseUnavailable, OutcomeUnknown
 from taskguard.lease import Holder, Lease, LockInfo, Marker
@@ -44,25 +43,6 @@ log = logging.getLogger("taskguard")
 #: ``renewed``; ``lost`` (the statement found the lease gone); ``gone`` (a read-back
 #: after a broken connection found it no longer ours).
 RenewOutcome = Literal["renewed", "lost", "gone"]
-
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _bounded(method: _F) -> _F:
-    """Run a lease operation (statement, read-back, retry) within the store's
-    ``call_timeout``: past it the socket is shut down, never the statement cancelled
-    (taskguard/deadline.py), and the caller gets OutcomeUnknown/DatabaseUnavailable."""
-
-    @functools.wraps(method)
-    def bounded(self: Store, *args: Any, **kwargs: Any) -> Any:
-        token = push_limit(self.call_timeout)
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            pop_limit(token)
-
-    return cast(_F, bounded)
 
 
 class Store:
@@ -96,7 +76,7 @@ class Store:
         #: Waiters' announcements and release notifications.
         self.waiters = Waiters(self._db, self._sql, listen_url)
         #: Many grants in one statement.
-        self.batches = Batches(self._db, self._sql, call_timeout)
+        self.batches = Batches(self._db, self._sql, call_timeout, self._marker_values)
 
     def run(self, stmt: Statement, values: Mapping[str, Any]) -> tuple[list[tuple[Any, ...]], int]:
         """Execute one statement in its own transaction: (rows, affected count)."""
@@ -133,7 +113,7 @@ class Store:
             "pid": holder.pid,
         }
 
-    @_bounded
+    @bounded
     def grant(
         self, values: dict[str, Any], limit: int, seconds: float, hold: float
     ) -> Lease | None:
@@ -235,7 +215,7 @@ class Store:
         log.warning("acquire of %r did not take effect before the connection broke; retrying", key)
         return None
 
-    @_bounded
+    @bounded
     def release(self, lease: Lease, marker: Marker | None = None) -> tuple[bool, bool]:
         """End ``lease`` if its owner still holds it: ``(ended, by_statement)``;
         ``by_statement`` is False when the outcome came from a read-back. ``marker``
@@ -284,7 +264,7 @@ class Store:
         values = self.grant_values(marker.key, 0, uuid.uuid4().hex, marker.ttl, marker.holder)
         self.grant(values, 1, marker.ttl, 0.0)
 
-    @_bounded
+    @bounded
     def renew(self, lease: Lease, seconds: float) -> RenewOutcome:
         """Extend ``lease`` to ``seconds`` from now (database clock); on success
         ``lease.expires_at`` and ``lease.ttl`` are updated."""
@@ -298,7 +278,7 @@ class Store:
         lease.ttl = seconds
         return "renewed"
 
-    @_bounded
+    @bounded
     def adopt(self, key: str, owner: str, slot: int, seconds: float, hold: float) -> Lease | None:
         """Renew a live lease known only by its owner id; ``None`` if not held."""
         values = {"key": key, "slot": slot, "owner": owner}

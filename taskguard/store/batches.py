@@ -5,10 +5,10 @@ message (:meth:`taskguard.TaskGuard.acquire_many`)."""
 from __future__ import annotations
 
 import logging
-import uuid
+from collections.abc import Callable
 from typing import Any
 
-from taskguard.deadline import pop_limit, push_limit
+from taskguard.deadline import bounded
 from taskguard.dialects import LockSQL
 from taskguard.exceptions import DatabaseUnavailable, OutcomeUnknown
 from taskguard.lease import Lease, Marker
@@ -26,10 +26,18 @@ SIZES = (1, 2, 4, 8, 16, 32, 64)
 class Batches:
     """The batch side of one :class:`~taskguard.store.Store`."""
 
-    def __init__(self, db: Executor, sql: LockSQL, call_timeout: float) -> None:
+    def __init__(
+        self,
+        db: Executor,
+        sql: LockSQL,
+        call_timeout: float,
+        marker_values: Callable[[Marker], dict[str, Any]],
+    ) -> None:
         self._db = db
         self._sql = sql
+        #: Seconds one batch (with its retry or give-back) may take.
         self.call_timeout = call_timeout
+        self._marker_values = marker_values  # the single release's marker parameters
 
     @property
     def one_statement(self) -> bool:
@@ -39,6 +47,7 @@ class Batches:
         pipelines = self._db.dialect.pipelines
         return sql.acquire_many is not None and sql.release_marking is not None and pipelines
 
+    @bounded
     def grant(self, batch: list[dict[str, Any]], seconds: list[float]) -> list[Lease | None]:
         """Grant what is free of ``batch`` (parameters as ``Store.grant_values``
         makes them, slot 0, each key once) in one statement: the leases, ``None``
@@ -52,17 +61,13 @@ class Batches:
                 batch[head:], seconds[head:]
             )
         size, params = _rows(batch, _FIELDS)
-        token = push_limit(self.call_timeout)
         try:
-            try:
-                rows, _ = self._db.run(self._sql.acquire_many(size), params)
-            except DatabaseUnavailable as exc:
-                if not exc.statement_sent:
-                    raise
-                self._give_back(batch, exc)
-                return [None] * len(batch)
-        finally:
-            pop_limit(token)
+            rows, _ = self._db.run(self._sql.acquire_many(size), params)
+        except DatabaseUnavailable as exc:
+            if not exc.statement_sent:
+                raise
+            self._give_back(batch, exc)
+            return [None] * len(batch)
         conv = self._db.dialect.to_datetime
         got = {(key, owner): (token, at, until) for key, owner, token, at, until in rows}
         out: list[Lease | None] = []
@@ -98,6 +103,7 @@ class Batches:
                     self._db.url,
                 ) from cause
 
+    @bounded
     def release(self, batch: list[tuple[Lease, Marker | None]]) -> list[bool]:
         """End each single-slot lease of ``batch`` its owner still holds and take its
         marker (each marker key once): pipelined, one round trip and one transaction
@@ -108,38 +114,24 @@ class Batches:
         attempt ended)."""
         marking = self._sql.release_marking
         assert marking is not None, "no release with a marker (see one_statement)"
-        secs = self._db.dialect.seconds_param
         plain: list[dict[str, Any]] = []
         marked: list[dict[str, Any]] = []
         for lease, marker in batch:
             values: dict[str, Any] = {"key": lease.key, "slot": 0, "owner": lease.owner}
             if marker is None:
                 plain.append(values)
-                continue
-            values.update(
-                mark_key=marker.key,
-                mark_owner=uuid.uuid4().hex,
-                mark_ttl=secs(marker.ttl),
-                task_name=marker.holder.task_name,
-                task_id=marker.holder.task_id,
-                hostname=marker.holder.hostname,
-                pid=marker.holder.pid,
-            )
-            marked.append(values)
+            else:
+                marked.append({**values, **self._marker_values(marker)})
         ended: dict[str, int] = {}
-        token = push_limit(self.call_timeout)
-        try:
-            for stmt, rows in ((self._sql.release, plain), (marking, marked)):
-                if rows:
-                    try:
-                        counts = self._db.run_many(stmt, rows)
-                    except DatabaseUnavailable as exc:
-                        if not exc.statement_sent:
-                            raise
-                        counts = self._db.run_many(stmt, rows)
-                    ended.update((r["owner"], n) for r, n in zip(rows, counts, strict=True))
-        finally:
-            pop_limit(token)
+        for stmt, rows in ((self._sql.release, plain), (marking, marked)):
+            if rows:
+                try:
+                    counts = self._db.run_many(stmt, rows)
+                except DatabaseUnavailable as exc:
+                    if not exc.statement_sent:
+                        raise
+                    counts = self._db.run_many(stmt, rows)
+                ended.update((r["owner"], n) for r, n in zip(rows, counts, strict=True))
         return [ended.get(lease.owner) == 1 for lease, _ in batch]
 
 

@@ -150,25 +150,15 @@ class Executor:
 
         Returns the rows (if any) and the affected row count.
         """
-        params = stmt.params(values)
-        return self._on_cursor(lambda cur: _execute(cur, stmt, params, values))
+        return self._on_cursor(_execute, stmt, stmt.params(values), values)
 
     def run_many(self, stmt: Statement, values: Sequence[Mapping[str, Any]]) -> list[int]:
         """Execute one statement once per item of ``values``, pipelined (the dialect's
         ``pipelines``): one round trip and one transaction, every execution with the
         statement's own prepared plan. Returns each execution's affected row count."""
-        params = [stmt.params(v) for v in values]
+        return self._on_cursor(_execute_many, stmt, [stmt.params(v) for v in values])
 
-        def many(cur: Any) -> list[int]:
-            cur.executemany(stmt.sql, params, returning=True)
-            counts = [int(cur.rowcount)]
-            while cur.nextset():
-                counts.append(int(cur.rowcount))
-            return counts
-
-        return self._on_cursor(many)
-
-    def _on_cursor(self, work: Callable[[Any], _T]) -> _T:
+    def _on_cursor(self, work: Callable[..., _T], *args: Any) -> _T:
         deadline = current_deadline()
         if deadline is not None and time.monotonic() >= deadline:
             raise DatabaseUnavailable(
@@ -183,7 +173,7 @@ class Executor:
             watch = watchdog.start(self.dialect.socket_of(pinned.conn.dbapi_connection))
             try:
                 try:
-                    return work(cur)
+                    return work(cur, *args)
                 finally:
                     # Before the connection is dropped: its fd may be reused at once.
                     watchdog.stop(watch)
@@ -205,7 +195,7 @@ class Executor:
                     cur = conn.cursor()
                     try:
                         with watchdog.watch(self.dialect.socket_of(conn.dbapi_connection)) as watch:
-                            return work(cur)
+                            return work(cur, *args)
                     except BaseException as exc:
                         if watch is not None and watch.fired:
                             conn.invalidate(exc)  # abandoned mid-statement: never reuse
@@ -274,6 +264,14 @@ def _execute(
         cur.execute(stmt.then.sql, stmt.then.params(values))
         rows = list(cur.fetchall())
     return rows, count
+
+
+def _execute_many(cur: Any, stmt: Statement, params: list[Any]) -> list[int]:
+    cur.executemany(stmt.sql, params, returning=True)
+    counts = [int(cur.rowcount)]
+    while cur.nextset():
+        counts.append(int(cur.rowcount))
+    return counts
 
 
 def _give_back(conn: Any) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
 from pgbouncer_fixtures import pgb_session_url, pgbouncer_session  # noqa: F401 - fixtures
@@ -38,8 +37,6 @@ from test_markers import (  # noqa: F401 - re-run through the pooler
 )
 from test_pgbouncer import _race, _threshold, _wait_after_release
 
-from taskguard import TaskGuard
-
 pytestmark = pytest.mark.postgres
 
 
@@ -47,13 +44,6 @@ pytestmark = pytest.mark.postgres
 def db_url(pgb_session_url: str) -> str:  # noqa: F811 - overrides conftest's for this module
     """The shared tests' database, reached through PgBouncer (session pooling)."""
     return pgb_session_url
-
-
-@pytest.fixture
-def guard(db_url: str) -> Iterator[TaskGuard]:
-    g = TaskGuard(db_url)
-    yield g
-    g.dispose()
 
 
 @pytest.mark.slow
