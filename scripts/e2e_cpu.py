@@ -82,12 +82,16 @@ def _snapshot(worker_pid: int) -> dict[tuple[int, str], int]:
     return out
 
 
-def _statements_cpu(url: str, n: int, durable: bool, grants_in_main: bool) -> float:
+def _statements_cpu(
+    url: str, n: int, durable: bool, grants_in_main: bool, records: bool = True
+) -> float:
     """Client CPU (us) of the statements a guarded run's pool process sends, issued
     through the same TaskGuard API in a loop: the part of the process's cost that
     is the lock's own round trips, to tell it from @guarded_task's Python around
     them. With the main process granting (taskguard_prefetch_grants, the default)
-    that is the release with its finished record; without, the acquire too."""
+    that is the release with its finished record; without, the acquire too.
+    Without ``records`` (taskguard_finished_retention=0) neither refuses a finished
+    task id nor writes one."""
     guard = TaskGuard(url, durable=durable)
     try:
 
@@ -95,16 +99,19 @@ def _statements_cpu(url: str, n: int, durable: bool, grants_in_main: bool) -> fl
             out = []
             for i in range(first, first + 50, 10):
                 done = [f"taskguard:finished:cpu-{uuid.uuid4().hex}" for _ in range(10)]
-                asked = [LeaseRequest(f"cpu:{i + j}", 60, unless=d) for j, d in enumerate(done)]
+                asked = [
+                    LeaseRequest(f"cpu:{i + j}", 60, unless=d if records else None)
+                    for j, d in enumerate(done)
+                ]
                 got = guard.acquire_many(asked)
                 out += [(lease, d) for lease, d in zip(got, done, strict=True) if lease]
             return out
 
         def pair(i: int) -> None:
             done = f"taskguard:finished:cpu-{uuid.uuid4().hex}"
-            lease = guard.try_acquire(f"cpu:{i % 50}", 60, unless=done).lease
+            lease = guard.try_acquire(f"cpu:{i % 50}", 60, unless=done if records else None).lease
             assert lease is not None
-            guard.release(lease, marker=Marker(done, 7200))
+            guard.release(lease, marker=Marker(done, 7200) if records else None)
 
         if not grants_in_main:
             for i in range(200):
@@ -119,7 +126,7 @@ def _statements_cpu(url: str, n: int, durable: bool, grants_in_main: bool) -> fl
             batch = leases(0)  # granted untimed, as the main process does
             cpu0 = time.process_time()
             for lease, done in batch:
-                guard.release(lease, marker=Marker(done, 7200))
+                guard.release(lease, marker=Marker(done, 7200) if records else None)
             if done_count >= 200:  # the first 200: warm-up
                 spent += time.process_time() - cpu0
             done_count += len(batch)
@@ -139,6 +146,11 @@ def main() -> int:
         action="store_true",
         help="taskguard_prefetch_grants=False: pool processes take their own leases",
     )
+    p.add_argument(
+        "--no-finished-records",
+        action="store_true",
+        help="taskguard_finished_retention=0: no record of finished task ids",
+    )
     args = p.parse_args()
 
     run_id = uuid.uuid4().hex[:8]
@@ -155,6 +167,7 @@ def main() -> int:
         "TGBENCH_PREFIX": prefix,
         "TGBENCH_DURABLE": "0" if args.relaxed else "1",
         "TASKGUARD_PREFETCH": "0" if args.no_prefetch_grants else "1",
+        "TGBENCH_FINISHED_RETENTION": "0" if args.no_finished_records else "7200",
         "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]),
     }
     worker = None
@@ -230,14 +243,15 @@ def main() -> int:
                 + f" {sum(cells):12.0f}"
             )
         grants_in_main = not args.no_prefetch_grants
-        sent = _statements_cpu(url, args.tasks, not args.relaxed, grants_in_main)
+        records = not args.no_finished_records
+        sent = _statements_cpu(url, args.tasks, not args.relaxed, grants_in_main, records)
         child = med(added["worker child"])
         beyond = child - sent
-        what = (
-            "its release with the finished record (the main process granted)"
-            if grants_in_main
-            else "acquire with unless= and release with marker="
-        )
+        if grants_in_main:
+            what = "its release" + (" with the finished record" if records else "")
+            what += " (the main process granted)"
+        else:
+            what = "acquire and release" + (" with unless= and marker=" if records else "")
         print(
             f"\npool process, guarded - plain: "
             f"{', '.join(f'{a:.0f}' for a in added['worker child'])} us/task (median "

@@ -32,6 +32,7 @@ app.conf.update(
     taskguard_database_url=DB_URL,
     taskguard_durable=os.environ.get("TGBENCH_DURABLE", "1") == "1",
     taskguard_prefetch_grants=os.environ.get("TASKGUARD_PREFETCH", "1") == "1",
+    taskguard_finished_retention=float(os.environ.get("TGBENCH_FINISHED_RETENTION", "7200")),
     ONCE={
         "backend": "celery_once.backends.Redis",
         "settings": {"url": REDIS_URL, "default_timeout": TTL},
