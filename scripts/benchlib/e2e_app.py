@@ -4,16 +4,23 @@ Three trivial tasks that differ only in their lock: none, taskguard's
 ``@guarded_task(lock="run")``, and celery-once's ``QueueOnce``. Every finished task
 bumps one Redis counter per task name (same cost for all three), which is how the
 benchmark knows when a batch is done without a result backend.
+
+With ``TGBENCH_STATEMENT_CPU=1`` (``scripts/e2e_cpu.py``) each pool process also
+times the TaskGuard calls its runs make (the thread's CPU inside ``try_acquire``,
+``release`` and ``renew``) and adds it to a second counter per task name, in the same
+Redis round trip as the done-counter (every task name pays that round trip alike).
 """
 
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
 from celery import Celery
-from celery.signals import task_postrun
+from celery.signals import task_postrun, worker_process_init
 from celery_once import QueueOnce
 
 BROKER = os.environ.get("TGBENCH_BROKER", "amqp://guest:guest@127.0.0.1:5672//")
@@ -22,6 +29,7 @@ DB_URL = os.environ.get("TGBENCH_DB_URL", "")
 REDIS_URL = os.environ.get("TGBENCH_REDIS_URL", "redis://127.0.0.1:6379/11")
 PREFIX = os.environ.get("TGBENCH_PREFIX", "tgbench:")
 TTL = 60
+STATEMENT_CPU = os.environ.get("TGBENCH_STATEMENT_CPU") == "1"
 
 app = Celery("tgbench_e2e", broker=BROKER)
 app.conf.update(
@@ -68,6 +76,28 @@ else:
 
 
 _counter: redis.Redis | None = None
+#: CPU seconds this process's TaskGuard calls used since the last finished task.
+_statement_cpu = [0.0]
+
+
+def _timed(method: Callable[..., Any]) -> Callable[..., Any]:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.thread_time()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            _statement_cpu[0] += time.thread_time() - start
+
+    return timed
+
+
+@worker_process_init.connect
+def _time_statements(**_: Any) -> None:
+    if STATEMENT_CPU and GUARDED_UNAVAILABLE is None:
+        from taskguard import TaskGuard
+
+        for name in ("try_acquire", "release", "renew"):
+            setattr(TaskGuard, name, _timed(getattr(TaskGuard, name)))
 
 
 @task_postrun.connect
@@ -75,4 +105,12 @@ def _count_done(sender: Any = None, **_: Any) -> None:
     global _counter
     if _counter is None:  # one client per worker process, made after the fork
         _counter = redis.Redis.from_url(REDIS_URL)
-    _counter.incr(f"{PREFIX}done:{getattr(sender, 'name', '?')}")
+    name = getattr(sender, "name", "?")
+    if not STATEMENT_CPU:
+        _counter.incr(f"{PREFIX}done:{name}")
+        return
+    spent, _statement_cpu[0] = _statement_cpu[0], 0.0
+    pipe = _counter.pipeline(transaction=False)
+    pipe.incrbyfloat(f"{PREFIX}statements:{name}", spent)
+    pipe.incr(f"{PREFIX}done:{name}")
+    pipe.execute()
