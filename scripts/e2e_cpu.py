@@ -5,7 +5,7 @@ unless told), with the CPU time of every process involved read from /proc before
 and after each batch.
 
     python scripts/e2e_cpu.py [--tasks 2000] [--rounds 2] [-c 2] [--relaxed]
-                              [--no-prefetch-grants]
+                              [--no-prefetch-grants] [--no-finished-records]
 
 Needs the local PostgreSQL, Redis and RabbitMQ, like ``scripts/bench.py``; makes a
 scratch database (dropped at the end) and a queue and Redis keys of its own.
