@@ -101,23 +101,26 @@ def _statements_cpu(
     guard = TaskGuard(url, durable=durable)
     try:
 
-        def leases(first: int) -> list[tuple[Lease, str]]:
+        def finished_key() -> str | None:
+            return f"taskguard:finished:cpu-{uuid.uuid4().hex}" if records else None
+
+        def release(lease: Lease, done: str | None) -> None:
+            guard.release(lease, marker=None if done is None else Marker(done, 7200))
+
+        def leases(first: int) -> list[tuple[Lease, str | None]]:
             out = []
             for i in range(first, first + 50, 10):
-                done = [f"taskguard:finished:cpu-{uuid.uuid4().hex}" for _ in range(10)]
-                asked = [
-                    LeaseRequest(f"cpu:{i + j}", 60, unless=d if records else None)
-                    for j, d in enumerate(done)
-                ]
+                done = [finished_key() for _ in range(10)]
+                asked = [LeaseRequest(f"cpu:{i + j}", 60, unless=d) for j, d in enumerate(done)]
                 got = guard.acquire_many(asked)
                 out += [(lease, d) for lease, d in zip(got, done, strict=True) if lease]
             return out
 
         def pair(i: int) -> None:
-            done = f"taskguard:finished:cpu-{uuid.uuid4().hex}"
-            lease = guard.try_acquire(f"cpu:{i % 50}", 60, unless=done if records else None).lease
+            done = finished_key()
+            lease = guard.try_acquire(f"cpu:{i % 50}", 60, unless=done).lease
             assert lease is not None
-            guard.release(lease, marker=Marker(done, 7200) if records else None)
+            release(lease, done)
 
         if not grants_in_main:
             for i in range(200):
@@ -132,7 +135,7 @@ def _statements_cpu(
             batch = leases(0)  # granted untimed, as the main process does
             cpu0 = time.process_time()
             for lease, done in batch:
-                guard.release(lease, marker=Marker(done, 7200) if records else None)
+                release(lease, done)
             if done_count >= 200:  # the first 200: warm-up
                 spent += time.process_time() - cpu0
             done_count += len(batch)
