@@ -1,9 +1,20 @@
 """The Celery app the end-to-end benchmark's worker runs (configured by environment).
 
-Three trivial tasks that differ only in their lock: none, taskguard's
+Trivial tasks that differ only in their lock: none, taskguard's
 ``@guarded_task(lock="run")``, and celery-once's ``QueueOnce``. Every finished task
 bumps one Redis counter per task name (same cost for all three), which is how the
 benchmark knows when a batch is done without a result backend.
+
+A fourth task takes the same lock by hand in its body: taskguard's own acquire and
+release SQL, prepared, on a psycopg connection of its pool process (the pairs
+section's raw SQL, run per task), for what a lock costs end to end without the
+library.
+
+``TGBENCH_STUB`` (diagnosis only, e.g. ``TGBENCH_STUB=release python
+scripts/bench.py --sections e2e``) makes TaskGuard calls in the worker answer
+without the database: ``release`` (every release reports success), or ``all``
+(also the main process's batch grants, each granted): what the guarded run would
+cost if those statements cost nothing. No lock holds while it is set.
 
 With ``TGBENCH_STATEMENT_CPU=1`` (``scripts/e2e_cpu.py``) each pool process also
 times the TaskGuard calls its runs make (the thread's CPU inside ``try_acquire``,
@@ -20,7 +31,7 @@ from typing import Any
 
 import redis
 from celery import Celery
-from celery.signals import task_postrun, worker_process_init
+from celery.signals import task_postrun, worker_init, worker_process_init
 from celery_once import QueueOnce
 
 BROKER = os.environ.get("TGBENCH_BROKER", "amqp://guest:guest@127.0.0.1:5672//")
@@ -30,6 +41,10 @@ REDIS_URL = os.environ.get("TGBENCH_REDIS_URL", "redis://127.0.0.1:6379/11")
 PREFIX = os.environ.get("TGBENCH_PREFIX", "tgbench:")
 TTL = 60
 STATEMENT_CPU = os.environ.get("TGBENCH_STATEMENT_CPU") == "1"
+#: "", "release" or "all": see the module docstring.
+STUB = os.environ.get("TGBENCH_STUB", "")
+if STUB not in ("", "release", "all"):
+    raise SystemExit(f"TGBENCH_STUB={STUB!r}: use 'release' or 'all' (or leave it unset)")
 
 app = Celery("tgbench_e2e", broker=BROKER)
 app.conf.update(
@@ -50,6 +65,7 @@ app.conf.update(
 PLAIN = f"{PREFIX}plain"
 GUARDED = f"{PREFIX}guarded"
 ONCE = f"{PREFIX}once"
+HANDSQL = f"{PREFIX}handsql"
 
 
 @app.task(name=PLAIN)
@@ -60,6 +76,19 @@ def plain(i: int) -> None:
 @app.task(name=ONCE, base=QueueOnce, once={"graceful": False, "timeout": TTL})
 def once(i: int) -> None:
     return None
+
+
+_raw: list[Any] = []  # this pool process's hand-written SQL contestant
+
+
+@app.task(name=HANDSQL)
+def handsql(i: int) -> None:
+    if not _raw:  # connected in the pool process, after the fork
+        from benchlib.common import Row
+        from benchlib.pairs import RawSql
+
+        _raw.append(RawSql(Row("e2e.handsql", "", ""), DB_URL, durable=True))
+    _raw[0].pair(f"{PREFIX}h:{i}")
 
 
 #: Why the guarded task could not be defined (None when it was).
@@ -98,6 +127,31 @@ def _time_statements(**_: Any) -> None:
 
         for name in ("try_acquire", "release", "renew"):
             setattr(TaskGuard, name, _timed(getattr(TaskGuard, name)))
+
+
+@worker_init.connect
+def _stub_statements(**_: Any) -> None:
+    """In the worker only (the publisher's process may run other sections next)."""
+    if not STUB or GUARDED_UNAVAILABLE is not None:
+        return
+    from datetime import datetime, timedelta, timezone
+
+    from taskguard import TaskGuard
+    from taskguard.lease import Lease, LeaseRequest
+
+    def release(self: TaskGuard, lease: Lease, *, marker: Any = None) -> bool:
+        return True
+
+    def acquire_many(self: TaskGuard, requests: list[LeaseRequest]) -> list[Lease | None]:
+        now = datetime.now(timezone.utc)
+        return [
+            Lease(r.key, os.urandom(16).hex(), 1, now, now + timedelta(seconds=TTL), float(TTL))
+            for r in requests
+        ]
+
+    TaskGuard.release = release  # type: ignore[method-assign]
+    if STUB == "all":
+        TaskGuard.acquire_many = acquire_many  # type: ignore[method-assign]
 
 
 @task_postrun.connect

@@ -90,13 +90,15 @@ class RawSql(Contestant):
         self.key = f"bench:pair:{row.id}"
         self.hostname, self.pid = socket.gethostname(), os.getpid()
 
-    def pair(self) -> None:
+    def pair(self, key: str | None = None) -> None:
+        """Acquire and release ``key`` (default: this contestant's own key)."""
+        key = self.key if key is None else key
         cur = self.cur
         owner = uuid.uuid4().hex
         cur.execute(
             self.acquire_sql,
             {
-                "key": self.key,
+                "key": key,
                 "slot": 0,
                 "owner": owner,
                 "ttl": TTL,
@@ -108,10 +110,10 @@ class RawSql(Contestant):
             prepare=True,
         )
         if cur.fetchone() is None:
-            raise RuntimeError(f"raw acquire of {self.key} was not granted")
-        cur.execute(self.release_sql, {"key": self.key, "slot": 0, "owner": owner}, prepare=True)
+            raise RuntimeError(f"raw acquire of {key} was not granted")
+        cur.execute(self.release_sql, {"key": key, "slot": 0, "owner": owner}, prepare=True)
         if cur.rowcount != 1:
-            raise RuntimeError(f"raw release of {self.key} matched {cur.rowcount} rows")
+            raise RuntimeError(f"raw release of {key} matched {cur.rowcount} rows")
 
     def close(self) -> None:
         self.conn.close()

@@ -98,6 +98,14 @@ def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
         ">=",
         "tasks/s, @guarded_task / celery-once QueueOnce, same worker and broker",
     )
+    by_hand = _rate(by_id, "e2e.handsql")
+    add(
+        "guarded end-to-end within 15% of the same lock by hand (the pair target, end to end)",
+        guarded / by_hand if guarded and by_hand else None,
+        1 / 1.15,
+        ">=",
+        "tasks/s, @guarded_task / a task taking taskguard's SQL by hand (psycopg), same worker",
+    )
     add(
         "guarded end-to-end >= 0.9 x unguarded",
         ratio("e2e.guarded"),
