@@ -16,6 +16,9 @@ without the database: ``release`` (every release reports success), or ``all``
 (also the main process's batch grants, each granted): what the guarded run would
 cost if those statements cost nothing. No lock holds while it is set.
 
+``TGBENCH_PREFETCH_MULTIPLIER`` sets the worker's ``worker_prefetch_multiplier``
+(Celery's default, 4, unless set): how many messages the main process can grant at once.
+
 With ``TGBENCH_STATEMENT_CPU=1`` (``scripts/e2e_cpu.py``) each pool process also
 times the TaskGuard calls its runs make (the thread's CPU inside ``try_acquire``,
 ``release`` and ``renew``) and adds it to a second counter per task name, in the same
@@ -50,6 +53,7 @@ app = Celery("tgbench_e2e", broker=BROKER)
 app.conf.update(
     task_default_queue=QUEUE,
     task_ignore_result=True,
+    worker_prefetch_multiplier=int(os.environ.get("TGBENCH_PREFETCH_MULTIPLIER", "4")),
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=False,
     taskguard_database_url=DB_URL,
