@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Where the CPU of a guarded task goes: the end-to-end benchmark's trivial tasks
-(plain, ``@guarded_task``, celery-once) through a real prefork worker (``-c 1``
+(plain, ``@guarded_task``, celery-once, and the same lock by hand in the task
+body) through a real prefork worker (``-c 1``
 unless told), with the CPU time of every process involved read from /proc before
 and after each batch.
 
@@ -11,8 +12,8 @@ Needs the local PostgreSQL, Redis and RabbitMQ, like ``scripts/bench.py``; makes
 scratch database (dropped at the end) and a queue and Redis keys of its own.
 Prints CPU microseconds per task for the publisher (this process), the worker's
 main process, its pool child, all PostgreSQL processes, RabbitMQ and Redis: the
-difference between the plain and the guarded (or celery-once) task is what the
-lock costs and who pays it (docs/benchmarks.md).
+difference between the plain and the guarded (celery-once, by hand) task is what
+the lock costs and who pays it (docs/benchmarks.md).
 
 The pool process's part is then split two ways: minus the client CPU of its lock
 statements as the pool process itself spent it (its TaskGuard calls timed in place,
@@ -222,35 +223,34 @@ def main() -> int:
         batch(e2e_app.plain, 200, 10**9)  # warm-up: connections, prepared statements
         batch(e2e_app.guarded, 200, 2 * 10**9)
         batch(e2e_app.once, 200, 3 * 10**9)
+        batch(e2e_app.handsql, 200, 4 * 10**9)
         kinds = ("publisher", "worker main", "worker child", "postgres", "rabbitmq", "redis")
         header = " ".join(f"{k:>12s}" for k in kinds)
         print(f"{'task':24s} {'tasks/s':>8s} {header}   (CPU us/task)")
         added: dict[str, list[float]] = {"worker child": [], "worker main": []}
         in_place: list[float] = []  # the guarded runs' statements, timed in the pool process
-        once_added: dict[str, list[float]] = {k: [] for k in kinds}
-        guarded_added: dict[str, list[float]] = {k: [] for k in kinds}
+        compared = {"guarded": e2e_app.guarded, "once": e2e_app.once, "by hand": e2e_app.handsql}
+        over_plain = {label: {k: [] for k in kinds} for label in compared}
         for rnd in range(args.rounds):
             seen: dict[str, dict[str, float]] = {}
-            for n, task in enumerate((e2e_app.plain, e2e_app.guarded, e2e_app.once)):
+            for n, task in enumerate((e2e_app.plain, *compared.values())):
                 rate, per = batch(task, args.tasks, rnd * 10**7 + n * 10**8)
                 seen[task.name] = per
                 print(
                     f"{task.name.removeprefix(prefix):24s} {rate:8.0f} "
                     + " ".join(f"{per.get(k, 0.0):12.0f}" for k in kinds)
                 )
-            plain, guarded, once = (
-                seen[t.name] for t in (e2e_app.plain, e2e_app.guarded, e2e_app.once)
-            )
-            for k in kinds:
-                guarded_added[k].append(guarded.get(k, 0.0) - plain.get(k, 0.0))
-                once_added[k].append(once.get(k, 0.0) - plain.get(k, 0.0))
+            plain, guarded = seen[e2e_app.plain.name], seen[e2e_app.guarded.name]
+            for label, task in compared.items():
+                for k in kinds:
+                    over_plain[label][k].append(seen[task.name].get(k, 0.0) - plain.get(k, 0.0))
             for k, values in added.items():
                 values.append(guarded.get(k, 0.0) - plain.get(k, 0.0))
             in_place.append(guarded["statements in place"])
         med = statistics.median
         print("\nadded CPU per task over the plain task (median of the rounds, us):")
         print(f"{'':24s} {'':8s} " + " ".join(f"{k:>12s}" for k in kinds) + f" {'total':>12s}")
-        for label, table in (("guarded", guarded_added), ("once", once_added)):
+        for label, table in over_plain.items():
             cells = [med(table[k]) for k in kinds]
             print(
                 f"{label:24s} {'':8s} "
