@@ -1,7 +1,8 @@
 """The Celery app the end-to-end benchmark's worker runs (configured by environment).
 
 Trivial tasks that differ only in their lock: none, taskguard's
-``@guarded_task(lock="run")``, and celery-once's ``QueueOnce``. Every finished task
+``@guarded_task(lock="run")`` and ``lock="queue_and_run"`` (taken at publish, like
+celery-once's), and celery-once's ``QueueOnce``. Every finished task
 bumps one Redis counter per task name (same cost for all three), which is how the
 benchmark knows when a batch is done without a result backend.
 
@@ -70,6 +71,7 @@ PLAIN = f"{PREFIX}plain"
 GUARDED = f"{PREFIX}guarded"
 ONCE = f"{PREFIX}once"
 HANDSQL = f"{PREFIX}handsql"
+QUEUE_AND_RUN = f"{PREFIX}queue_and_run"
 
 
 @app.task(name=PLAIN)
@@ -105,6 +107,10 @@ else:
 
     @guarded_task(app=app, key=PREFIX + "k:{i}", ttl=TTL, lock="run", name=GUARDED)
     def guarded(i: int) -> None:
+        return None
+
+    @guarded_task(app=app, key=PREFIX + "q:{i}", ttl=TTL, lock="queue_and_run", name=QUEUE_AND_RUN)
+    def queue_and_run(i: int) -> None:
         return None
 
 

@@ -106,6 +106,14 @@ def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
         ">=",
         "tasks/s, @guarded_task / a task taking taskguard's SQL by hand (psycopg), same worker",
     )
+    queued = _rate(by_id, "e2e.queue_and_run")
+    add(
+        'lock="queue_and_run" (celery-once\'s phases) end-to-end >= celery-once (not a target)',
+        queued / queue_once if queued and queue_once else None,
+        1.0,
+        ">=",
+        'tasks/s, @guarded_task(lock="queue_and_run") / celery-once QueueOnce, same worker',
+    )
     add(
         "guarded end-to-end >= 0.9 x unguarded",
         ratio("e2e.guarded"),
