@@ -3,10 +3,10 @@
 Trivial tasks that differ only in their lock: none, taskguard's
 ``@guarded_task(lock="run")`` and ``lock="queue_and_run"`` (taken at publish, like
 celery-once's), and celery-once's ``QueueOnce``. Every finished task
-bumps one Redis counter per task name (same cost for all three), which is how the
+bumps one Redis counter per task name (same cost for all), which is how the
 benchmark knows when a batch is done without a result backend.
 
-A fourth task takes the same lock by hand in its body: taskguard's own acquire and
+One more task takes the same lock by hand in its body: taskguard's own acquire and
 release SQL, prepared, on a psycopg connection of its pool process (the pairs
 section's raw SQL, run per task), for what a lock costs end to end without the
 library.
