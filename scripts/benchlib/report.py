@@ -54,6 +54,11 @@ def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
         row = by_id.get(row_id)
         return row.ratio if row is not None else None
 
+    def rates(row_id: str, over: str) -> float | None:
+        """One row's rate over another's (rows of one run), if both were measured."""
+        a, b = _rate(by_id, row_id), _rate(by_id, over)
+        return a / b if a and b else None
+
     add(
         "taskguard pair <= 1.15 x raw SQL pair",
         ratio("pair.taskguard"),
@@ -82,34 +87,30 @@ def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
         "<=",
         "client CPU us per pair, taskguard / raw SQL on mysqlclient",
     )
-    relaxed, once = _rate(by_id, "pair.taskguard_relaxed"), _rate(by_id, "pair.celery_once")
     add(
         "relaxed pair throughput >= celery-once Redis",
-        relaxed / once if relaxed and once else None,
+        rates("pair.taskguard_relaxed", "pair.celery_once"),
         1.0,
         ">=",
         "pairs/s, taskguard durable=False / celery-once Redis backend",
     )
-    guarded, queue_once = _rate(by_id, "e2e.guarded"), _rate(by_id, "e2e.once")
     add(
         "guarded end-to-end >= celery-once end-to-end (issue 18)",
-        guarded / queue_once if guarded and queue_once else None,
+        rates("e2e.guarded", "e2e.once"),
         1.0,
         ">=",
         "tasks/s, @guarded_task / celery-once QueueOnce, same worker and broker",
     )
-    by_hand = _rate(by_id, "e2e.handsql")
     add(
         "guarded end-to-end within 15% of the same lock by hand (the pair target, end to end)",
-        guarded / by_hand if guarded and by_hand else None,
+        rates("e2e.guarded", "e2e.handsql"),
         1 / 1.15,
         ">=",
         "tasks/s, @guarded_task / a task taking taskguard's SQL by hand (psycopg), same worker",
     )
-    queued = _rate(by_id, "e2e.queue_and_run")
     add(
         'lock="queue_and_run" (celery-once\'s phases) end-to-end >= celery-once (not a target)',
-        queued / queue_once if queued and queue_once else None,
+        rates("e2e.queue_and_run", "e2e.once"),
         1.0,
         ">=",
         'tasks/s, @guarded_task(lock="queue_and_run") / celery-once QueueOnce, same worker',
