@@ -172,8 +172,13 @@ TTL = 1.0
 _FMT = "%Y-%m-%d %H:%M:%S.%f"
 
 
-def _holder(db: str, log: str, state: Any, idx: int, stop_at: float) -> None:
-    """Contend for random keys; log each grant and release by the database clock."""
+def _holder(db: str, log: str, state: Any, turn: Any, idx: int, stop_at: float) -> None:
+    """Contend for random keys; log each grant and release by the database clock.
+
+    ``state[idx]`` is 1 while this process holds a grant the parent may kill it
+    with; it goes back to 0 under ``turn``, the lock the parent holds while it
+    decides and kills, so a kill never lands after the release has committed (its
+    log line would then be missing and the grant read as held until expiry)."""
     conn = _connect(db)
     cur = conn.cursor()
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
@@ -190,7 +195,8 @@ def _holder(db: str, log: str, state: Any, idx: int, stop_at: float) -> None:
         os.write(fd, f"G {key} {owner} {token} {acquired_at:{_FMT}} {expires_at:{_FMT}}\n".encode())
         state[idx] = 1  # holding: the parent may kill us now
         time.sleep(rnd.uniform(0.005, 0.05))
-        state[idx] = 0
+        with turn:
+            state[idx] = 0
         _run(cur, RELEASE, {"key": key, "slot": 0, "owner": owner})
         ok = cur.rowcount == 1
         cur.execute("SELECT CAST(@tg_end AS DATETIME(6))")
@@ -205,13 +211,14 @@ def test_sigkilled_holders_no_overlap_tokens_increase_key_back(
     ctx = mp.get_context("fork")
     procs, seconds = 8, float(os.environ.get("TG_RACE_SECONDS", "8"))
     state = ctx.Array("i", procs, lock=False)
+    turns = [ctx.Lock() for _ in range(procs)]
     log = str(tmp_path / "grants.log")
     stop_at = time.time() + seconds
     workers = {}
 
     def spawn(i: int) -> None:
         state[i] = 0
-        p = ctx.Process(target=_holder, args=(maria_db, log, state, i, stop_at))
+        p = ctx.Process(target=_holder, args=(maria_db, log, state, turns[i], i, stop_at))
         p.start()
         workers[i] = p
 
@@ -223,8 +230,11 @@ def test_sigkilled_holders_no_overlap_tokens_increase_key_back(
         holding = [i for i in range(procs) if state[i] == 1]
         if holding:
             i = random.choice(holding)
-            os.kill(workers[i].pid, signal.SIGKILL)
-            workers[i].join()
+            with turns[i]:  # the child cannot start its release meanwhile
+                if state[i] != 1:
+                    continue
+                os.kill(workers[i].pid, signal.SIGKILL)
+                workers[i].join()
             kills += 1
             spawn(i)
     for p in workers.values():
