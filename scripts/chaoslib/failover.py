@@ -110,7 +110,8 @@ class _Standby(ThrowawayCluster):
         return int(row[0]) if row else None
 
     def wait_caught_up(self, timeout: float = 30.0) -> None:
-        """Until everything received has been replayed (read-only queries see it)."""
+        """Until everything received has been replayed (read-only queries see it).
+        Call it once a killed WAL receiver has been reaped (see failover_round)."""
         # A killed WAL receiver makes the standby's postmaster reinitialise: wait for it.
         self.wait_ready(timeout)
         deadline = time.monotonic() + timeout
@@ -289,6 +290,9 @@ def failover_round(
             # The network never delivers what was in flight: what the receiver had not
             # written when it stopped is gone (its socket buffer dies with it).
             os.kill(receiver, signal.SIGKILL)
+            # Its postmaster starts reinitialising when it reaps the receiver, and
+            # drops every connection then: one made before that breaks mid-query.
+            _wait_reaped(receiver)
             rp.standby.wait_caught_up()
             snapshot = _rows(rp.standby.dsn("failover"))
             # Taken before: the promoted server takes grants before `pg_ctl promote -w`
@@ -301,6 +305,15 @@ def failover_round(
             events = _collect(procs, out)
         _judge(res, events, snapshot, t_kill, t_promoted, _rows(rp.standby.dsn("failover")))
     return res
+
+
+def _wait_reaped(pid: int, timeout: float = 10.0) -> None:
+    """Until process ``pid`` (killed, not our child) is gone, zombie included."""
+    deadline = time.monotonic() + timeout
+    while os.path.exists(f"/proc/{pid}"):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid} was not reaped within {timeout:.0f} s")
+        time.sleep(0.01)
 
 
 def _collect(procs: list[Any], out: Any) -> list[tuple[Any, ...]]:
