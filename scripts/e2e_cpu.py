@@ -227,7 +227,6 @@ def main() -> int:
         kinds = ("publisher", "worker main", "worker child", "postgres", "rabbitmq", "redis")
         header = " ".join(f"{k:>12s}" for k in kinds)
         print(f"{'task':24s} {'tasks/s':>8s} {header}   (CPU us/task)")
-        added: dict[str, list[float]] = {"worker child": [], "worker main": []}
         in_place: list[float] = []  # the guarded runs' statements, timed in the pool process
         compared = {"guarded": e2e_app.guarded, "once": e2e_app.once, "by hand": e2e_app.handsql}
         over_plain = {label: {k: [] for k in kinds} for label in compared}
@@ -240,13 +239,11 @@ def main() -> int:
                     f"{task.name.removeprefix(prefix):24s} {rate:8.0f} "
                     + " ".join(f"{per.get(k, 0.0):12.0f}" for k in kinds)
                 )
-            plain, guarded = seen[e2e_app.plain.name], seen[e2e_app.guarded.name]
+            plain = seen[e2e_app.plain.name]
             for label, task in compared.items():
                 for k in kinds:
                     over_plain[label][k].append(seen[task.name].get(k, 0.0) - plain.get(k, 0.0))
-            for k, values in added.items():
-                values.append(guarded.get(k, 0.0) - plain.get(k, 0.0))
-            in_place.append(guarded["statements in place"])
+            in_place.append(seen[e2e_app.guarded.name]["statements in place"])
         med = statistics.median
         print("\nadded CPU per task over the plain task (median of the rounds, us):")
         print(f"{'':24s} {'':8s} " + " ".join(f"{k:>12s}" for k in kinds) + f" {'total':>12s}")
@@ -260,7 +257,8 @@ def main() -> int:
         grants_in_main = not args.no_prefetch_grants
         records = not args.no_finished_records
         sent = _statements_cpu(url, args.tasks, not args.relaxed, grants_in_main, records)
-        child = med(added["worker child"])
+        pool_added = over_plain["guarded"]["worker child"]
+        child = med(pool_added)
         beyond = child - sent
         spent = med(in_place)
         beyond_in_place = child - spent
@@ -271,7 +269,7 @@ def main() -> int:
             what = "acquire and release" + (" with unless= and marker=" if records else "")
         print(
             f"\npool process, guarded - plain: "
-            f"{', '.join(f'{a:.0f}' for a in added['worker child'])} us/task (median "
+            f"{', '.join(f'{a:.0f}' for a in pool_added)} us/task (median "
             f"{child:.0f}); the statements it sends: {what}.\n"
             f"  timed in the pool process: "
             f"{', '.join(f'{a:.0f}' for a in in_place)} us/task (median {spent:.0f}); "
