@@ -4,7 +4,6 @@ layers over it; every statement it sends goes through :mod:`taskguard.store`."""
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import time
 import uuid
@@ -22,9 +21,9 @@ from taskguard.fencing import fence
 from taskguard.history import LockEvent, explain, secs, with_holders
 from taskguard.keys import (
     MAX_LIMIT,
+    holder_for,
     normalize_key,
     optional_seconds,
-    validate_holder,
     validate_limit,
     validate_marker,
     validate_ttl,
@@ -175,13 +174,7 @@ class TaskGuard(BatchOperations):
         if unless is not None:
             unless = normalize_key(unless)
         seconds = validate_ttl(ttl)
-        validate_holder(task_name, task_id, hostname, pid, slot)
-        holder = Holder(
-            task_name,
-            task_id,
-            hostname if hostname is not None else self.hostname,
-            pid if pid is not None else os.getpid(),
-        )
+        holder = holder_for(self.hostname, task_name, task_id, hostname, pid, slot)
         store = self._store
         if limit == 1 and min_hold is None and wait is None and type(limit) is int:
             values = store.grant_values(key, slot, uuid.uuid4().hex, seconds, holder, 1, unless)
@@ -271,15 +264,26 @@ class TaskGuard(BatchOperations):
         *,
         slot: int = 0,
         min_hold: float | timedelta | None = None,
+        exclusive: bool = False,
+        **holder_details: Any,
     ) -> Lease | None:
         """Take over a live lease by its owner id (e.g. one a publisher acquired and
         handed to the worker in the message), renewing it to ``ttl``; pass the
-        lease's ``min_hold`` to keep its throttle window.
-        ``None`` if that owner no longer holds the key."""
+        lease's ``min_hold`` to keep its throttle window. ``None`` if that owner no
+        longer holds the key. ``exclusive=True``: in the same statement the lease
+        passes to a new owner id (the returned lease's) and holder (``task_name``,
+        ``task_id``, ``hostname``, ``pid`` as for :meth:`acquire`; same row, token and
+        ``acquired_at``), so of several callers adopting one owner id one gets it."""
         key = normalize_key(key)
         seconds = validate_ttl(ttl)
         hold = optional_seconds(min_hold, "min_hold")
-        return self._store.adopt(key, owner, slot, seconds, hold)
+        if holder_details and not exclusive:
+            raise TypeError("holder details are only taken with adopt(..., exclusive=True)")
+        new = (uuid.uuid4().hex, holder_for(self.hostname, **holder_details)) if exclusive else None
+        lease = self._store.adopt(key, owner, slot, seconds, hold, new)
+        if lease is not None and new is not None and self.history:
+            self._store.history.handed_over(owner, lease, new[1])
+        return lease
 
     def fence(self, lease: Lease, session: Any) -> int:
         """:meth:`Lease.fence`: check ``lease`` inside ``session``'s transaction and
@@ -303,11 +307,8 @@ class TaskGuard(BatchOperations):
             yield lease
         finally:
             if not self.release(lease):
-                log.warning(
-                    "lease on %r (owner %s) had already expired or been taken over at release",
-                    lease.key,
-                    lease.owner,
-                )
+                late = "lease on %r (owner %s) had already expired or been taken over at release"
+                log.warning(late, lease.key, lease.owner)
 
     # -- inspection and operations ----------------------------------------------
 

@@ -20,6 +20,7 @@ __all__ = [
     "MAX_LIMIT",
     "MAX_TTL",
     "MIN_TTL",
+    "holder_for",
     "normalize_key",
     "optional_seconds",
     "validate_holder",
@@ -98,6 +99,20 @@ def validate_ttl(ttl: object, *, name: str = "ttl") -> float:
 _MAX_DETAIL = 255  # width of task_name / task_id / hostname
 _MAX_PID = 2**31 - 1
 _MAX_SLOT = 2**15 - 1
+
+
+def holder_for(
+    default_host: str,
+    task_name: str | None = None,
+    task_id: str | None = None,
+    hostname: str | None = None,
+    pid: int | None = None,
+    slot: int = 0,
+) -> Holder:
+    """Validated holder details; ``default_host`` and this process where not given."""
+    validate_holder(task_name, task_id, hostname, pid, slot)
+    hostname = hostname if hostname is not None else default_host
+    return Holder(task_name, task_id, hostname, pid if pid is not None else os.getpid())
 
 
 def validate_holder(

@@ -1,15 +1,14 @@
 """Taking over a lease carried in a message (publisher -> worker, run -> retry).
 
 The message header holds the lease (``Lease.to_dict()``). The worker adopts it
-with :meth:`TaskGuard.adopt` — the same row, owner and fencing token, renewed to
-the run's ttl — so there is no moment in which the key is free.
-
-Adopting by owner alone would let a second delivery of the same message (a broker
-redelivery while the first copy runs) adopt it too. So each delivery first takes
-a companion *claim* row, ``<key>#run:<task id>``: the first delivery gets it and
-holds it while it runs; another delivery of the same task id finds it held and is
-a conflict. A hand-off that lapsed (the lease expired while the message waited)
-falls back to a fresh acquisition.
+with ``TaskGuard.adopt(..., exclusive=True)``: the same row and fencing token,
+renewed to the run's ttl, so there is no moment in which the key is free, and in
+the same statement passed to an owner id of this run's own, with this pool
+process as its holder. A second delivery of the same message (a broker redelivery
+while the first copy runs) then finds the owner id it carries gone and the key
+held by its own task id: a conflict with itself, retried until that run ends. A
+hand-off that lapsed (the lease expired while the message waited) falls back to a
+fresh acquisition.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from typing import Any
 from taskguard import signals
 from taskguard.celery.leasing import (
     acquire_or_holder,
-    claim_key,
     held_seconds,
     release_quietly,
     send_released,
@@ -67,31 +65,27 @@ def start_queue_phase(
 
 def take_over(
     task: Any, guard: TaskGuard, request: Any, key: str, handed: dict[str, Any], ttl: float
-) -> tuple[Lease | None, Lease | None, bool, LockInfo | None]:
-    """Adopt the lease carried in the message: (lease, claim, False, None); or
-    (None, None, True, holder) when another delivery of this task id runs it; or
-    (None, None, False, None) when the hand-off lapsed (it expired while queued)."""
+) -> tuple[Lease | None, bool, LockInfo | None]:
+    """Adopt the lease carried in the message: (lease, False, None); or (None, True,
+    holder) when another delivery of this task id has it; or (None, False, None) when
+    the hand-off lapsed (it expired while queued). One statement when it is adopted."""
     stored_id = stored_task_id(request.id)
-    claim, holder = acquire_or_holder(
-        guard,
-        claim_key(key, stored_id),
-        ttl,
-        task_name=task.name,
-        task_id=stored_id,
-        hostname=request.hostname,
-    )
-    if claim is None:
-        return None, None, True, holder
     lease = guard.adopt(
         key,
         str(handed.get("owner")),
         ttl,
         slot=int(handed.get("slot", 0)),
         min_hold=float(handed.get("min_hold", 0)) or None,
+        exclusive=True,
+        task_name=task.name,
+        task_id=stored_id,
+        hostname=request.hostname,
     )
-    if lease is None:
-        log.info("hand-off of lock %r to %s[%s] lapsed; acquiring", key, task.name, request.id)
-        release_quietly(guard, claim)
-        return None, None, False, None
-    signals.lock_acquired.send(sender=task, key=key, lease=lease)
-    return lease, claim, False, None
+    if lease is not None:
+        signals.lock_acquired.send(sender=task, key=key, lease=lease)
+        return lease, False, None
+    for info in guard.get_all(key):
+        if info.held and info.holder.task_id == stored_id:
+            return None, True, info
+    log.info("hand-off of lock %r to %s[%s] lapsed; acquiring", key, task.name, request.id)
+    return None, False, None

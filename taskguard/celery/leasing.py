@@ -15,12 +15,11 @@ from taskguard import signals
 from taskguard.config import setting
 from taskguard.exceptions import TaskGuardError
 from taskguard.guard import TaskGuard
-from taskguard.keys import MAX_TTL, normalize_key, validate_ttl
+from taskguard.keys import MAX_TTL, validate_ttl
 from taskguard.lease import Lease, LockInfo, Marker
 
 __all__ = [
     "acquire_or_holder",
-    "claim_key",
     "clamp_ttl",
     "default_ttl",
     "describe_holder",
@@ -31,12 +30,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("taskguard.celery")
-
-
-def claim_key(key: str, stored_id: str | None) -> str:
-    """Companion row marking which delivery of a task id runs a handed-over lease,
-    so a second delivery of the same message cannot adopt it too."""
-    return normalize_key(f"{key}#run:{stored_id}")
 
 
 def default_ttl(app: Any, ttl: float | None) -> float:

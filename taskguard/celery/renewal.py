@@ -50,7 +50,6 @@ class ActiveRun:
 
     __slots__ = (
         "__weakref__",
-        "claim",
         "guard",
         "handed_over",
         "interrupter",
@@ -67,13 +66,10 @@ class ActiveRun:
         key: str,
         lease: Lease | None,
         request: Any,
-        claim: Lease | None = None,
     ) -> None:
         self.guard = guard
         self.key = key
         self.lease = lease
-        #: The hand-off claim row held alongside (see taskguard.celery.handoff).
-        self.claim = claim
         #: The Celery request this run serves (identity tells nested runs apart).
         self.request = request
         self.lost: LeaseLost | None = None
@@ -210,22 +206,7 @@ class Heartbeat:
             self._lose("expired or taken over before it could be renewed")
             return None
         self._deadline = sent + lease.ttl
-        self._renew_extra()
         return self._interval
-
-    def _renew_extra(self) -> None:
-        # The hand-off claim (read from the run each time: a retry may have let it go).
-        run = self._run_ref()
-        claim = run.claim if run is not None else None
-        if claim is None:
-            return
-        try:
-            ok, why = self._guard.renew(claim), "expired or taken over"
-        except Exception as exc:
-            ok, why = False, str(exc)
-        if not ok and not self._stopped and run is not None and run.claim is claim:
-            log.warning("could not renew companion lock %r: %s", claim.key, why)
-            run.claim = None
 
     def _lose(self, reason: str) -> None:
         lease = self._lease

@@ -61,19 +61,22 @@ def run_guarded(task: Any, request: Any, args: tuple[Any, ...], kwargs: dict[str
             return run_conflict(task, guard, request, key, holder)
         return _body(task, guard, request, None, args, kwargs, done)
     ttl = task._ttl()
-    lease = claim = None
+    lease = None
     # [coalesce/debounce] a pending run first checks it is still the key's pending run.
     waiting = None
     if opts.pending_runs:
         waiting, covered = pending.claim(task, guard, request, key, header)
         if covered is not None:
             return covered
+    checked = False  # whether the acquire itself refused a finished task id
     handed = header.get("lease")
     if isinstance(handed, dict):
-        lease, claim, blocked, holder = handoff.take_over(task, guard, request, key, handed, ttl)
+        lease, blocked, holder = handoff.take_over(task, guard, request, key, handed, ttl)
         if blocked:
             return run_conflict(task, guard, request, key, holder, own=True)
-    checked = False  # whether the acquire itself refused a finished task id
+        # Adopting the hand-off took it from the owner id in the message, which no
+        # delivery of this task id had taken before: none of them ran, let alone finished.
+        checked = track and lease is not None
     granted = header.get(prefetched.GRANTED)
     if lease is None and isinstance(granted, dict):
         # Taken by the worker's main process with the same refusals (finished record).
@@ -93,7 +96,7 @@ def run_guarded(task: Any, request: Any, args: tuple[Any, ...], kwargs: dict[str
                 return pending.wait_for_key(task, guard, request, key, holder, waiting, header)
             return run_conflict(task, guard, request, key, holder, waited=waited)
         signals.lock_acquired.send(sender=task, key=key, lease=lease)
-    run = ActiveRun(guard, key, lease, request, claim)
+    run = ActiveRun(guard, key, lease, request)
     if opts.rate is not None:  # [rate] count the start, or defer it
         counted, slot = rate.take_start(task, guard, request, key, opts.rate)
         if not counted:
@@ -243,8 +246,8 @@ def run_conflict(
 
 
 def finish(task: Any, run: ActiveRun, marker: Marker | None = None) -> None:
-    """Give back the run's lease (unless a retry carries it on) and its claim row;
-    ``marker`` is taken by the same release."""
+    """Give back the run's lease (unless a retry carries it on); ``marker`` is
+    taken by the same release."""
     lease = run.lease
     assert lease is not None
     held_for = time.monotonic() - run.started
@@ -260,6 +263,3 @@ def finish(task: Any, run: ActiveRun, marker: Marker | None = None) -> None:
                 task.name,
             )
         send_released(task, lease, released, held_for)
-    if run.claim is not None:
-        release_quietly(run.guard, run.claim)
-        run.claim = None

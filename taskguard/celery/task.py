@@ -21,7 +21,7 @@ from celery.signals import task_revoked
 from taskguard.celery import enqueue, prefetched, running
 from taskguard.celery.countdowns import retry_delay
 from taskguard.celery.header import HEADER, header_of
-from taskguard.celery.leasing import clamp_ttl, default_ttl, release_quietly
+from taskguard.celery.leasing import clamp_ttl, default_ttl
 from taskguard.celery.options import ATTR_PREFIX, GuardOptions, option_defaults
 from taskguard.celery.renewal import active_run
 from taskguard.celery.worker import release_unstarted
@@ -154,12 +154,8 @@ class GuardedTask(Task):  # type: ignore[misc]
             base_headers = getattr(request, "headers", None) or {}
         options["headers"] = {**base_headers, HEADER: header}
         if handing and run is not None:
-            # Before publishing: the retried run (same task id, so the same claim row)
-            # may start, adopt and even finish at once.
+            # Before publishing: the retried run may start, adopt and even finish at once.
             run.handed_over = True
-            if run.claim is not None:
-                release_quietly(run.guard, run.claim)
-                run.claim = None
         try:
             return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
         except Retry:

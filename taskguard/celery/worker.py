@@ -35,7 +35,6 @@ from kombu.asynchronous import get_event_loop
 from taskguard.celery import pending, prefetched
 from taskguard.celery.header import header_of, message_key
 from taskguard.celery.leasing import (
-    claim_key,
     held_seconds,
     lease_from_info,
     release_quietly,
@@ -43,7 +42,7 @@ from taskguard.celery.leasing import (
 )
 from taskguard.celery.taskids import stored_task_id
 from taskguard.config import guard_for
-from taskguard.lease import Lease, LockInfo
+from taskguard.lease import Lease
 
 __all__ = ["GuardedRequest", "release_dead_run", "release_unstarted"]
 
@@ -53,15 +52,6 @@ log = logging.getLogger("taskguard.celery")
 #: Seconds after a hard time limit before the main process checks the child's rows
 #: (billiard waits 0.1 s after SIGTERM before it sends SIGKILL).
 HARD_LIMIT_GRACE = 1.0
-
-
-def _live_row(
-    rows: list[LockInfo], stored_id: str | None, pid: int | None = None
-) -> LockInfo | None:
-    for info in rows:
-        if info.held and info.holder.task_id == stored_id and pid in (None, info.holder.pid):
-            return info
-    return None
 
 
 def release_dead_run(
@@ -83,23 +73,17 @@ def release_dead_run(
         key = message_key(task.taskguard_options, header, args, kwargs)
         stored_id = stored_task_id(task_id)
         guard = guard_for(task._get_app())
-        claim = _live_row(guard.get_all(claim_key(key, stored_id)), stored_id, pid)
-        if claim is not None and claim.holder.hostname != nodename:
-            claim = None
         count = 0
         for info in guard.get_all(key):
-            if not (info.held and info.holder.task_id == stored_id):
-                continue
+            # An adopted hand-off names its run's pool process too (exclusive adopt).
             own_row = info.holder.hostname == nodename and info.holder.pid == pid
-            if not (own_row or claim is not None):
-                continue  # held by another delivery of the same task id
+            if not (info.held and info.holder.task_id == stored_id and own_row):
+                continue  # another delivery's, or not this run's
             lease = lease_from_info(info, task.taskguard_options.min_hold)
             released = release_quietly(guard, lease)
             count += int(released)
             _report(key, task, task_id, pid, nodename, why)
             send_released(task, lease, released, (info.read_at - info.acquired_at).total_seconds())
-        if claim is not None:
-            release_quietly(guard, lease_from_info(claim))
         granted = header.get(prefetched.GRANTED)
         if isinstance(granted, dict) and release_quietly(guard, Lease.from_dict(granted)):
             # Taken by this main process for the child (its pid is ours): by owner.
@@ -137,10 +121,8 @@ def release_unstarted(task: Any, request: Any, header: Mapping[str, Any]) -> Non
     try:
         lease = Lease.from_dict(handed)
         guard = guard_for(task._get_app())
-        stored_id = stored_task_id(request.id)
-        # If another delivery of this task id adopted the lease and runs, leave it.
-        if _live_row(guard.get_all(claim_key(lease.key, stored_id)), stored_id) is not None:
-            return
+        # By the owner id in the message: a lease another delivery of this task id
+        # adopted has an owner id of its own, and is left alone.
         released = release_quietly(guard, lease)
         if released:
             log.info("released lock %r of revoked %s[%s]", lease.key, task.name, request.id)

@@ -132,6 +132,10 @@ class LockSQL:
     #: Throttle window: release/renew that keep the key until acquired_at + hold.
     release_hold: Statement
     renew_hold: Statement
+    #: Adopt a live lease by its owner id (``:from_owner``) under a new one
+    #: (``:owner``, with new holder details): renew (and keep a throttle window).
+    handover: Statement
+    handover_hold: Statement
     get: Statement
     get_owner: Statement
     held: Statement

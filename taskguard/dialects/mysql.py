@@ -210,6 +210,17 @@ RENEW_HOLD = (
     f"UPDATE task_locks SET expires_at = GREATEST({PLUS_TTL},"
     f" acquired_at + INTERVAL :hold MICROSECOND) WHERE {_MINE}"
 )
+#: Adoption under a new owner id (see the shared ``handover``); the read that
+#: follows finds the lease by its new owner (``:owner``).
+_HANDED = f"`key` = :key AND slot = :slot AND owner = :from_owner AND expires_at > {NOW}"
+_NEW_HOLDER = (
+    "owner = :owner, task_name = :task_name, task_id = :task_id, hostname = :hostname, pid = :pid"
+)
+HANDOVER = f"UPDATE task_locks SET expires_at = {PLUS_TTL}, {_NEW_HOLDER} WHERE {_HANDED}"
+HANDOVER_HOLD = (
+    f"UPDATE task_locks SET expires_at = GREATEST({PLUS_TTL},"
+    f" acquired_at + INTERVAL :hold MICROSECOND), {_NEW_HOLDER} WHERE {_HANDED}"
+)
 LEASE = _LEASE
 #: Confirms a grant read back after a broken connection. It must really change the
 #: row: InnoDB commits a no-op update without writing (or flushing) the redo log,
@@ -299,6 +310,8 @@ class MariaDB(Dialect):
             "acquire_slots": text(ACQUIRE_SLOTS),
             "renew": (text(RENEW), text(LEASE)),
             "renew_hold": (text(RENEW_HOLD), text(LEASE)),
+            "handover": (text(HANDOVER), text(LEASE)),
+            "handover_hold": (text(HANDOVER_HOLD), text(LEASE)),
             "confirm": (text(CONFIRM), text(LEASE)),
             "held": select(*row_and_now)
             .where(prefix_match, t.c.expires_at > now)

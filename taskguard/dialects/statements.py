@@ -139,6 +139,19 @@ def build_lock_sql(d: Dialect, sa_dialect: SADialect) -> LockSQL:
         .values(expires_at=fl.greatest(fl.plus("ttl"), held_until))
         .returning(*lease_cols)
     )
+    # Adoption under a new owner id: once one caller has it, the handed-over owner
+    # (:from_owner) no longer matches, so a second adopter of the same message fails.
+    handed = and_(
+        _t.c.key == bindparam("key"),
+        _t.c.slot == bindparam("slot"),
+        _t.c.owner == bindparam("from_owner"),
+        _t.c.expires_at > now,
+    )
+    new_holder: dict[str, Any] = {col: bindparam(col) for col in ("owner", *HOLDER_COLS)}
+    handover, handover_hold = (
+        update(_t).where(handed).values(expires_at=e, **new_holder).returning(*lease_cols)
+        for e in (fl.plus("ttl"), fl.greatest(fl.plus("ttl"), held_until))
+    )
 
     # Waiters: every waiter raises wanted_until (a release before it wakes them); the
     # one that has waited longest becomes next_owner (see _free).
@@ -206,6 +219,8 @@ def build_lock_sql(d: Dialect, sa_dialect: SADialect) -> LockSQL:
         confirm=confirm,
         release_hold=release_hold,
         renew_hold=renew_hold,
+        handover=handover,
+        handover_hold=handover_hold,
         get=get,
         get_owner=get_owner,
         held=held.order_by(*by_key).limit(bindparam("limit")),

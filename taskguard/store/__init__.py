@@ -279,9 +279,17 @@ class Store:
         return "renewed"
 
     @bounded
-    def adopt(self, key: str, owner: str, slot: int, seconds: float, hold: float) -> Lease | None:
-        """Renew a live lease known only by its owner id; ``None`` if not held."""
-        values = {"key": key, "slot": slot, "owner": owner}
+    def adopt(
+        self, key: str, owner: str, slot: int, seconds: float, hold: float,
+        new: tuple[str, Holder] | None = None,
+    ) -> Lease | None:  # fmt: skip
+        """Renew a live lease known only by its owner id; ``None`` if not held.
+        ``new``: the (owner id, holder) it passes to, in the same statement."""
+        values: dict[str, Any] = {"key": key, "slot": slot, "owner": owner}
+        if new is not None:
+            owner, h = new
+            values.update(from_owner=values["owner"], owner=owner, task_name=h.task_name)
+            values.update(task_id=h.task_id, hostname=h.hostname, pid=h.pid)
         rows = self._extend(values, seconds, hold, None)
         if not rows:
             return None
@@ -295,18 +303,25 @@ class Store:
         self, values: dict[str, Any], seconds: float, hold: float, lease: Lease | None
     ) -> list[tuple[Any, ...]] | None:
         values["ttl"] = self._secs(seconds)
-        stmt = self._sql.renew
+        handover = "from_owner" in values
+        stmt = self._sql.handover if handover else self._sql.renew
         if hold:
-            stmt = self._sql.renew_hold
+            stmt = self._sql.handover_hold if handover else self._sql.renew_hold
             values["hold"] = self._secs(hold)
         try:
             rows, _ = self.run(stmt, values)
         except DatabaseUnavailable as exc:
-            if lease is None or not exc.statement_sent:
+            if not exc.statement_sent or not (lease or handover):
                 raise
-            info = self._reread_or_unknown(lease, "renewing", exc)
-            if info is None or info.owner != lease.owner or not info.held:
-                return None
+            if handover:  # committed iff the row is under the new owner id
+                info = self.read_owner(values["key"], values["slot"], values["owner"])
+                if info is not None:
+                    return [(info.token, info.acquired_at, info.expires_at)] if info.held else None
+            else:
+                assert lease is not None
+                info = self._reread_or_unknown(lease, "renewing", exc)
+                if info is None or info.owner != lease.owner or not info.held:
+                    return None
             rows, _ = self.run(stmt, values)
         return rows
 

@@ -61,6 +61,17 @@ class EventLog:
             since=lease.acquired_at, detail=detail,
         )  # fmt: skip
 
+    def handed_over(self, from_owner: str, lease: Lease, holder: Holder) -> None:
+        """An exclusive adoption: the old owner's grant ends, the new owner's starts."""
+        self.record(
+            "released", lease.key, lease.slot, from_owner, lease.token,
+            since=lease.acquired_at, detail=f"handed over to owner {lease.owner}",
+        )  # fmt: skip
+        self.record(
+            "acquired", lease.key, lease.slot, lease.owner, lease.token, holder,
+            duration=0.0, detail=f"handed over by owner {from_owner}",
+        )  # fmt: skip
+
     def force_released(
         self, key: str, ended: list[tuple[int, str, int, Holder]], by: str | None
     ) -> None:

@@ -122,6 +122,43 @@ def test_adopt_hands_a_lease_over(guard: TaskGuard) -> None:
     assert guard.adopt("k", "not-the-owner", 60) is None
 
 
+def test_exclusive_adopt_passes_the_lease_to_one_new_owner(guard: TaskGuard) -> None:
+    lease = guard.acquire("k", 30, task_name="t", task_id="id1", hostname="publisher", pid=1)
+    assert lease is not None
+    mine = guard.adopt(
+        "k", lease.owner, 60, exclusive=True, task_name="t", task_id="id1", hostname="w1", pid=7
+    )
+    assert mine is not None and mine.owner != lease.owner
+    assert (mine.token, mine.acquired_at) == (lease.token, lease.acquired_at)
+    assert mine.expires_at - mine.acquired_at >= timedelta(seconds=59)
+    # A second adopter of the same handed-over owner id (a redelivered message) fails,
+    # and the row names the first adopter.
+    assert guard.adopt("k", lease.owner, 60, exclusive=True, hostname="w2") is None
+    info = guard.get("k")
+    assert info is not None and info.held and info.owner == mine.owner
+    assert (info.holder.task_id, info.holder.hostname, info.holder.pid) == ("id1", "w1", 7)
+    # The old owner id can no longer renew or release it; the new one can.
+    assert guard.renew(lease) is False and guard.release(lease) is False
+    assert guard.renew(mine) is True and guard.release(mine) is True
+    assert guard.adopt("k", mine.owner, 60, exclusive=True) is None  # released: not live
+
+
+def test_exclusive_adopt_keeps_the_throttle_window(guard: TaskGuard) -> None:
+    lease = guard.acquire("k", 1, min_hold=30)
+    assert lease is not None
+    mine = guard.adopt("k", lease.owner, 1, min_hold=30, exclusive=True)
+    assert mine is not None and mine.min_hold == 30
+    assert mine.expires_at - mine.acquired_at >= timedelta(seconds=29)
+
+
+def test_adopt_refuses_holder_details_unless_exclusive(guard: TaskGuard) -> None:
+    lease = guard.acquire("k", 30)
+    assert lease is not None
+    with pytest.raises(TypeError, match="exclusive=True"):
+        guard.adopt("k", lease.owner, 30, task_id="x")
+    assert guard.get("k") is not None and guard.get("k").owner == lease.owner  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize(
     "key", ["", "a\x00b", 42, None, "\ud800"], ids=["empty", "nul", "int", "none", "surrogate"]
 )

@@ -171,3 +171,24 @@ def test_history_is_trimmed_by_age(db_url: str) -> None:
         assert guard.events(KEY) == []
     finally:
         guard.dispose()
+
+
+def test_an_exclusive_adoption_is_a_hand_over_in_the_story(db_url: str) -> None:
+    guard = TaskGuard(db_url, history=True)
+    try:
+        lease = guard.acquire(KEY, 30, task_id="id1", hostname="publisher")
+        assert lease is not None
+        mine = guard.adopt(KEY, lease.owner, 30, exclusive=True, task_id="id1", hostname="w1")
+        assert mine is not None and guard.release(mine)
+        story = [(e.event, e.owner, e.holder.hostname) for e in guard.events(KEY)]
+        assert story == [
+            ("acquired", lease.owner, "publisher"),
+            ("released", lease.owner, "publisher"),
+            ("acquired", mine.owner, "w1"),
+            ("released", mine.owner, "w1"),
+        ]
+        text = guard.explain(KEY)
+        assert f"handed over to owner {mine.owner}" in text
+        assert f"handed over by owner {lease.owner}" in text
+    finally:
+        guard.dispose()

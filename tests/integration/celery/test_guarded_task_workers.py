@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from celery import chain
+from celery.signals import before_task_publish
 from conftest import AMQP_URL
 from harness import (  # noqa: F401  (fixtures: env, worker_db)
     RESULT_BACKEND,
@@ -29,6 +30,7 @@ from tg_worker_app import make_app
 from workers import purge_queue, start_worker, unique_queue
 
 from taskguard import AlreadyLocked, TaskGuard, is_skipped
+from taskguard.celery.header import HEADER
 from taskguard.config import reset_guards
 
 pytestmark = [pytest.mark.celery, pytest.mark.postgres]
@@ -184,6 +186,36 @@ def test_redelivery_of_the_same_task_id_waits_for_the_first_copy(env: Env) -> No
     found = runs(env.db_url, kid)
     assert [r.task_id for r in found] == [task_id]
     assert found[0].ended_at is not None
+    assert "another delivery of this task id" in env.worker.log_text()
+
+
+def test_a_redelivered_hand_off_waits_for_the_copy_that_adopted_it(env: Env) -> None:
+    # queue_and_run: the message carries the publisher's lease. A second delivery of
+    # that very message (same task id, same header) while the first copy runs must
+    # not adopt it too: adopting passes the lease to the run's own owner id.
+    queued = env.task("tg.queued")  # queue_and_run, ttl 3 s, on_conflict="raise"
+    kid = key_id(env, "redeliver-handoff")
+    sent: dict[str, Any] = {}
+
+    def keep_header(headers: dict[str, Any] | None = None, **_: Any) -> None:
+        if headers and headers.get("task") == "tg.queued" and HEADER in headers:
+            sent.update(headers[HEADER])
+
+    before_task_publish.connect(keep_header, weak=False)
+    try:
+        first = queued.apply_async((kid, 1.5))
+    finally:
+        before_task_publish.disconnect(keep_header)
+    carried = sent["lease"]["owner"]
+    wait_for(started(env, kid), 30, "the first copy to start")
+    adopted = env.guard.get(f"queued:{kid}")
+    assert adopted is not None and adopted.held and adopted.owner != carried
+    assert adopted.holder.task_id == first.id and adopted.holder.hostname != env.guard.hostname
+    env.app.send_task("tg.queued", (kid, 1.5), task_id=first.id, headers={HEADER: sent})
+    env.worker.wait_for_log(f"dropped a late copy of finished tg.queued[{first.id}]", 30)
+    assert first.get(timeout=RESULT_TIMEOUT) is not None
+    found = runs(env.db_url, kid)
+    assert [r.task_id for r in found] == [first.id] and found[0].ended_at is not None
     assert "another delivery of this task id" in env.worker.log_text()
 
 
