@@ -73,3 +73,40 @@ def test_tokens_unique_across_processes(db_url: str, _: int) -> None:
     wins = _race(db_url, "uniq:")
     tokens = [t for _, t, _ in wins]
     assert len(tokens) == len(set(tokens))
+
+
+def _adopter(url: str, barrier: Any, handed: list[tuple[str, str]], out: Any) -> None:
+    guard = TaskGuard(url)
+    wins = []
+    for rnd, (key, owner) in enumerate(handed):
+        barrier.wait(timeout=60)
+        lease = guard.adopt(key, owner, 30, exclusive=True, task_id="same-message")
+        if lease is not None:
+            wins.append((rnd, lease.token, lease.owner))
+    out.put(wins)
+    guard.dispose()
+
+
+def test_sixteen_deliveries_of_one_hand_off_exactly_one_adopts(db_url: str) -> None:
+    # Every process is a delivery of the same message, carrying the same owner id.
+    guard = TaskGuard(db_url)
+    leases = [guard.acquire(f"handed:{rnd}", 30) for rnd in range(ROUNDS)]
+    assert all(lease is not None for lease in leases)
+    handed = [(lease.key, lease.owner) for lease in leases if lease is not None]
+    ctx = mp.get_context("fork")
+    barrier, out = ctx.Barrier(PROCS), ctx.Queue()
+    procs = [
+        ctx.Process(target=_adopter, args=(db_url, barrier, handed, out)) for _ in range(PROCS)
+    ]
+    for p in procs:
+        p.start()
+    wins = [w for _ in procs for w in out.get(timeout=120)]
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    assert sorted(rnd for rnd, _, _ in wins) == list(range(ROUNDS))
+    for rnd, token, owner in wins:
+        info = guard.get(f"handed:{rnd}")
+        assert info is not None and info.held and info.owner == owner
+        assert token == leases[rnd].token  # type: ignore[union-attr]
+    guard.dispose()
