@@ -34,18 +34,19 @@ log = logging.getLogger("taskguard.celery")
 
 def start_queue_phase(
     task: Any, guard: TaskGuard, request: Any, key: str, header: dict[str, Any]
-) -> tuple[bool, LockInfo | None]:
+) -> tuple[bool, bool, LockInfo | None]:
     """lock="queue" at start: give back the lease carried in the message; a
     deferred message (on_conflict="retry" at enqueue) checks the key is free.
-    Returns (blocked, holder)."""
+    Returns (first, blocked, holder); ``first``: this call ended the carried lease,
+    so no other delivery of the message started before it."""
     handed = header.get("lease")
     if isinstance(handed, dict):
         lease = Lease.from_dict(handed)
         released = release_quietly(guard, lease)
         send_released(task, lease, released, held_seconds(lease))
-        return False, None
+        return released, False, None
     if not header.get("deferred"):
-        return False, None
+        return False, False, None
     limit = task.taskguard_options.limit
     # No min_hold here: releasing a probe must not start a throttle window.
     probe, holder = acquire_or_holder(
@@ -58,9 +59,9 @@ def start_queue_phase(
         **({"limit": limit} if limit != 1 else {}),
     )
     if probe is None:
-        return True, holder
+        return False, True, holder
     release_quietly(guard, probe)
-    return False, None
+    return False, False, None
 
 
 def take_over(

@@ -54,9 +54,11 @@ def run_guarded(task: Any, request: Any, args: tuple[Any, ...], kwargs: dict[str
     # This run's finished record: refuses the acquire, then rides on the release.
     done = completions.finished_key(request.id) if track else None
     if not opts.locks_run:
-        if track and completions.is_finished(guard, request.id):
+        first, blocked, holder = handoff.start_queue_phase(task, guard, request, key, header)
+        # A delivery that ended the queued lease is the first of its message to
+        # start: none before it ran, so there is no finished record to read.
+        if track and not first and completions.is_finished(guard, request.id):
             completions.drop_late_copy(task, request, key)
-        blocked, holder = handoff.start_queue_phase(task, guard, request, key, header)
         if blocked:
             return run_conflict(task, guard, request, key, holder)
         return _body(task, guard, request, None, args, kwargs, done)

@@ -1,0 +1,79 @@
+"""What one delivery of a queue-phase message costs the lock database, counted
+statement by statement, and what a second delivery of the same message does.
+
+The run is driven in-process the way a worker drives it (a request that is not
+eager, carrying the publisher's lease in taskguard's header), on PostgreSQL."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.exceptions import Ignore
+
+from taskguard import TaskGuard, guarded_task
+from taskguard.celery.header import HEADER
+from taskguard.config import guard_for, reset_guards
+
+
+@pytest.fixture
+def app(pg_url: str) -> Iterator[Celery]:
+    app = Celery("tg_statements", broker="memory://", set_as_current=False)
+    app.conf.update(taskguard_database_url=pg_url)
+    yield app
+    reset_guards()
+
+
+def _deliver(task: Any, header: dict[str, Any], task_id: str) -> list[str]:
+    """Run ``task`` once as a delivery of ``task_id``; the SQL it sent."""
+    store = guard_for(task._get_app())._store
+    run = store._db.run
+    sent: list[str] = []
+
+    def counted(stmt: Any, values: Any) -> Any:
+        sent.append(stmt.sql)
+        return run(stmt, values)
+
+    store._db.run = counted
+    task.push_request(
+        id=task_id,
+        is_eager=False,
+        called_directly=False,
+        hostname="w1@host",
+        headers={HEADER: header},
+        retries=0,
+    )
+    try:
+        task()
+    finally:
+        task.pop_request()
+        del store._db.run
+    return sent
+
+
+@pytest.mark.parametrize(("lock", "statements"), [("queue_and_run", 2), ("queue", 2)])
+def test_a_delivery_of_a_queued_message(app: Celery, lock: str, statements: int) -> None:
+    ran: list[int] = []
+
+    @guarded_task(app=app, shared=False, key="k", ttl=30, lock=lock)
+    def job() -> None:
+        ran.append(1)
+
+    guard: TaskGuard = guard_for(app)
+    lease = guard.acquire("k", 30, task_name=job.name, task_id="tid")  # the publisher's
+    assert lease is not None
+    header = {"v": 1, "key": "k", "via": "enqueue", "lease": lease.to_dict()}
+    sent = _deliver(job, header, "tid")
+    assert ran == [1]
+    # queue_and_run: the adoption (under the run's own owner id) and the release with
+    # the finished record. queue: the queued lease's release and the finished record.
+    # Neither reads the finished record: the first delivery to take or end the
+    # carried lease is the first of its message to start.
+    assert len(sent) == statements, sent
+    assert guard.held("k") == []
+    # The same message again (a broker redelivery): dropped, not run.
+    with pytest.raises(Ignore):
+        _deliver(job, header, "tid")
+    assert ran == [1]
