@@ -173,7 +173,10 @@ def _measure(env: Env, mod: Any, by_id: dict[str, Row]) -> None:
     concurrency = _concurrency()
     names = ["plain", "once", "handsql"]
     if mod.GUARDED_UNAVAILABLE:
-        for row_id in ("e2e.guarded", "e2e.queue_and_run", "e2e.guarded_relaxed"):
+        stubbed = ["e2e.queue_and_run"]
+        if mod.STUB != "adopt":
+            stubbed += ["e2e.guarded", "e2e.guarded_relaxed"]
+        for row_id in stubbed:
             by_id[row_id].status = f"not run: {mod.GUARDED_UNAVAILABLE}"
     else:
         names.insert(1, "guarded")
@@ -185,8 +188,15 @@ def _measure(env: Env, mod: Any, by_id: dict[str, Row]) -> None:
         row.extra = {"tasks": rounds * per_round, "rounds": rounds, "concurrency": concurrency}
         row.note = f"{rounds * per_round:,} tasks, prefork -c {concurrency}, first publish to last task done"
     if mod.STUB:  # a diagnosis, not a measurement of the library: say so on its rows
-        unsent = "releases" if mod.STUB == "release" else "releases and batch grants"
-        for row_id in ("e2e.guarded", "e2e.queue_and_run", "e2e.guarded_relaxed"):
+        unsent = {
+            "release": "releases",
+            "adopt": "adoptions of handed-over leases",
+            "all": "releases and batch grants",
+        }[mod.STUB]
+        stubbed = ["e2e.queue_and_run"]
+        if mod.STUB != "adopt":
+            stubbed += ["e2e.guarded", "e2e.guarded_relaxed"]
+        for row_id in stubbed:
             by_id[row_id].note += f"; TGBENCH_STUB={mod.STUB}: the worker's {unsent} not sent"
     if "guarded" in names:
         relaxed = _phase(env, mod, ["plain", "guarded"], False, rounds, per_round)

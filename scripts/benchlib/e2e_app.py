@@ -13,9 +13,11 @@ library.
 
 ``TGBENCH_STUB`` (diagnosis only, e.g. ``TGBENCH_STUB=release python
 scripts/bench.py --sections e2e``) makes TaskGuard calls in the worker answer
-without the database: ``release`` (every release reports success), or ``all``
-(also the main process's batch grants, each granted): what the guarded run would
-cost if those statements cost nothing. No lock holds while it is set.
+without the database: ``release`` (every release reports success), ``adopt``
+(every adoption of a lease handed over in the message, ``lock="queue_and_run"``,
+succeeds; releases are sent), or ``all`` (releases and the main process's batch
+grants, each granted): what the guarded run would cost if those statements cost
+nothing. No lock holds while it is set.
 
 ``TGBENCH_PREFETCH_MULTIPLIER`` sets the worker's ``worker_prefetch_multiplier``
 (Celery's default, 4, unless set): how many messages the main process can grant at once.
@@ -47,8 +49,8 @@ TTL = 60
 STATEMENT_CPU = os.environ.get("TGBENCH_STATEMENT_CPU") == "1"
 #: "", "release" or "all": see the module docstring.
 STUB = os.environ.get("TGBENCH_STUB", "")
-if STUB not in ("", "release", "all"):
-    raise SystemExit(f"TGBENCH_STUB={STUB!r}: use 'release' or 'all' (or leave it unset)")
+if STUB not in ("", "release", "adopt", "all"):
+    raise SystemExit(f"TGBENCH_STUB={STUB!r}: use 'release', 'adopt' or 'all' (or leave it unset)")
 
 app = Celery("tgbench_e2e", broker=BROKER)
 app.conf.update(
@@ -159,6 +161,13 @@ def _stub_statements(**_: Any) -> None:
             for r in requests
         ]
 
+    def adopt(self: TaskGuard, key: str, owner: str, ttl: float, **_: Any) -> Lease:
+        now = datetime.now(timezone.utc)
+        return Lease(key, os.urandom(16).hex(), 1, now, now + timedelta(seconds=ttl), ttl)
+
+    if STUB == "adopt":
+        TaskGuard.adopt = adopt  # type: ignore[assignment]
+        return
     TaskGuard.release = release  # type: ignore[method-assign]
     if STUB == "all":
         TaskGuard.acquire_many = acquire_many  # type: ignore[method-assign]

@@ -1,6 +1,7 @@
 """Connection cut around COMMIT: does the client report the true outcome? (item 7)
 
-One round: a fresh key, one operation (acquire, release or renew) through a
+One round: a fresh key, one operation (acquire, release, renew, or an exclusive
+adopt of a handed-over lease) through a
 :class:`~chaoslib.proxy.FaultProxy`, cut ``before`` the server saw it, ``after``
 it committed, or ``partition`` (after, and the client cannot reconnect to read
 back). The operation's answer is then compared with the database's truth, read
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from chaoslib.proxy import FaultProxy
 from taskguard import DatabaseUnavailable, Lease, OutcomeUnknown, TaskGuard
 
-OPS = ("acquire", "release", "renew")
+OPS = ("acquire", "release", "renew", "adopt")
 MODES = ("before", "after", "partition")
 
 
@@ -51,9 +52,12 @@ def fault_round(
         elif op == "release":
             assert lease is not None
             result = proxied.release(lease)
-        else:
+        elif op == "renew":
             assert lease is not None
             result = proxied.renew(lease, 120)
+        else:
+            assert lease is not None
+            result = proxied.adopt(key, lease.owner, 120, exclusive=True)
         reported = _report(result)
     except OutcomeUnknown as exc:
         result, reported, unknown_owner = None, "OutcomeUnknown", exc.owner
@@ -85,6 +89,15 @@ def fault_round(
             ok = (result is True and truth == "released") or (
                 reported == "OutcomeUnknown" and mode == "partition"
             )
+        elif op == "adopt":
+            # Adopted: the row is under the returned lease's new owner id, token kept.
+            assert lease is not None and info is not None
+            truth = f"owner {'publisher' if info.owner == lease.owner else info.owner}"
+            if isinstance(result, Lease):
+                ok = (info.owner, info.token) == (result.owner, lease.token) and info.held
+            else:
+                ok = reported == "OutcomeUnknown" and mode == "partition"
+                ok = ok and info.owner in (lease.owner, unknown_owner)
         else:
             assert lease is not None and info is not None
             truth = f"expires {info.expires_at.isoformat()}"

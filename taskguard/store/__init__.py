@@ -311,10 +311,10 @@ class Store:
         try:
             rows, _ = self.run(stmt, values)
         except DatabaseUnavailable as exc:
-            if not exc.statement_sent or not (lease or handover):
+            if not exc.statement_sent or (lease is None and not handover):
                 raise
             if handover:  # committed iff the row is under the new owner id
-                info = self.read_owner(values["key"], values["slot"], values["owner"])
+                info = self._reread_or_unknown(values, "adopting", exc)
                 if info is not None:
                     return [(info.token, info.acquired_at, info.expires_at)] if info.held else None
             else:
@@ -326,16 +326,21 @@ class Store:
         return rows
 
     def _reread_or_unknown(
-        self, lease: Lease, doing: str, cause: DatabaseUnavailable
+        self, lease: Lease | Mapping[str, Any], doing: str, cause: DatabaseUnavailable
     ) -> LockInfo | None:
+        """The row of ``lease`` (or of key, slot, owner) read back, or OutcomeUnknown."""
+        if isinstance(lease, Lease):
+            key, slot, owner, by = lease.key, lease.slot, lease.owner, lease.expires_at
+        else:
+            key, slot, owner, by = lease["key"], lease["slot"], lease["owner"], None
         try:
-            return self.read_owner(lease.key, lease.slot, lease.owner)
+            return self.read_owner(key, slot, owner)
         except DatabaseUnavailable:
+            latest = f" (lease expires by {by.isoformat()} at the latest)" if by else ""
             raise OutcomeUnknown(
-                f"connection to {self.url} broke while {doing} {lease.key!r}; "
-                f"outcome unknown (lease expires by {lease.expires_at.isoformat()} at the latest)",
-                lease.key,
-                lease.owner,
+                f"connection to {self.url} broke while {doing} {key!r}; outcome unknown{latest}",
+                key,
+                owner,
                 self.url,
             ) from cause
 
