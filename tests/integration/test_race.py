@@ -14,7 +14,7 @@ PROCS = 16
 ROUNDS = 10
 
 
-def _contender(url: str, barrier: Any, key_prefix: str, ttl: float, out: Any) -> None:
+def _contender(barrier: Any, out: Any, url: str, key_prefix: str, ttl: float) -> None:
     guard = TaskGuard(url)
     wins = []
     for rnd in range(ROUNDS):
@@ -26,14 +26,11 @@ def _contender(url: str, barrier: Any, key_prefix: str, ttl: float, out: Any) ->
     guard.dispose()
 
 
-def _race(url: str, key_prefix: str, ttl: float = 30.0) -> list[tuple[int, int, str]]:
+def _in_processes(target: Any, *args: Any) -> list[tuple[int, int, str]]:
+    """``target(barrier, out, *args)`` in PROCS processes: every win they report."""
     ctx = mp.get_context("fork")
-    barrier = ctx.Barrier(PROCS)
-    out = ctx.Queue()
-    procs = [
-        ctx.Process(target=_contender, args=(url, barrier, key_prefix, ttl, out))
-        for _ in range(PROCS)
-    ]
+    barrier, out = ctx.Barrier(PROCS), ctx.Queue()
+    procs = [ctx.Process(target=target, args=(barrier, out, *args)) for _ in range(PROCS)]
     for p in procs:
         p.start()
     results = [out.get(timeout=120) for _ in procs]
@@ -41,6 +38,10 @@ def _race(url: str, key_prefix: str, ttl: float = 30.0) -> list[tuple[int, int, 
         p.join(timeout=30)
         assert p.exitcode == 0
     return [w for r in results for w in r]
+
+
+def _race(url: str, key_prefix: str, ttl: float = 30.0) -> list[tuple[int, int, str]]:
+    return _in_processes(_contender, url, key_prefix, ttl)
 
 
 def test_sixteen_processes_exactly_one_winner_per_round(db_url: str) -> None:
@@ -75,7 +76,7 @@ def test_tokens_unique_across_processes(db_url: str, _: int) -> None:
     assert len(tokens) == len(set(tokens))
 
 
-def _adopter(url: str, barrier: Any, handed: list[tuple[str, str]], out: Any) -> None:
+def _adopter(barrier: Any, out: Any, url: str, handed: list[tuple[str, str]]) -> None:
     guard = TaskGuard(url)
     wins = []
     for rnd, (key, owner) in enumerate(handed):
@@ -93,17 +94,7 @@ def test_sixteen_deliveries_of_one_hand_off_exactly_one_adopts(db_url: str) -> N
     leases = [guard.acquire(f"handed:{rnd}", 30) for rnd in range(ROUNDS)]
     assert all(lease is not None for lease in leases)
     handed = [(lease.key, lease.owner) for lease in leases if lease is not None]
-    ctx = mp.get_context("fork")
-    barrier, out = ctx.Barrier(PROCS), ctx.Queue()
-    procs = [
-        ctx.Process(target=_adopter, args=(db_url, barrier, handed, out)) for _ in range(PROCS)
-    ]
-    for p in procs:
-        p.start()
-    wins = [w for _ in procs for w in out.get(timeout=120)]
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
+    wins = _in_processes(_adopter, db_url, handed)
     assert sorted(rnd for rnd, _, _ in wins) == list(range(ROUNDS))
     for rnd, token, owner in wins:
         info = guard.get(f"handed:{rnd}")
