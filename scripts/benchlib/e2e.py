@@ -173,10 +173,7 @@ def _measure(env: Env, mod: Any, by_id: dict[str, Row]) -> None:
     concurrency = _concurrency()
     names = ["plain", "once", "handsql"]
     if mod.GUARDED_UNAVAILABLE:
-        stubbed = ["e2e.queue_and_run"]
-        if mod.STUB != "adopt":
-            stubbed += ["e2e.guarded", "e2e.guarded_relaxed"]
-        for row_id in stubbed:
+        for row_id in ("e2e.guarded", "e2e.queue_and_run", "e2e.guarded_relaxed"):
             by_id[row_id].status = f"not run: {mod.GUARDED_UNAVAILABLE}"
     else:
         names.insert(1, "guarded")

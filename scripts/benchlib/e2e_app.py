@@ -47,7 +47,7 @@ REDIS_URL = os.environ.get("TGBENCH_REDIS_URL", "redis://127.0.0.1:6379/11")
 PREFIX = os.environ.get("TGBENCH_PREFIX", "tgbench:")
 TTL = 60
 STATEMENT_CPU = os.environ.get("TGBENCH_STATEMENT_CPU") == "1"
-#: "", "release" or "all": see the module docstring.
+#: "", "release", "adopt" or "all": see the module docstring.
 STUB = os.environ.get("TGBENCH_STUB", "")
 if STUB not in ("", "release", "adopt", "all"):
     raise SystemExit(f"TGBENCH_STUB={STUB!r}: use 'release', 'adopt' or 'all' (or leave it unset)")
