@@ -16,7 +16,7 @@ from sqlalchemy import URL, Engine
 
 from taskguard.batch import BatchOperations
 from taskguard.deadline import DEFAULT_CALL_TIMEOUT
-from taskguard.exceptions import InvalidKey, LockHeld
+from taskguard.exceptions import InvalidArgument, InvalidKey, LockHeld
 from taskguard.fencing import fence
 from taskguard.history import LockEvent, explain, secs, with_holders
 from taskguard.keys import (
@@ -278,7 +278,9 @@ class TaskGuard(BatchOperations):
         seconds = validate_ttl(ttl)
         hold = optional_seconds(min_hold, "min_hold")
         if holder_details and not exclusive:
-            raise TypeError("holder details are only taken with adopt(..., exclusive=True)")
+            name = next(iter(holder_details))
+            msg = f"adopt() takes {name}= only with exclusive=True (the holder changes then)"
+            raise InvalidArgument(msg, name, holder_details[name])
         new = (uuid.uuid4().hex, holder_for(self.hostname, **holder_details)) if exclusive else None
         lease = self._store.adopt(key, owner, slot, seconds, hold, new)
         if lease is not None and new is not None and self.history:

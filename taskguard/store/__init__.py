@@ -290,7 +290,7 @@ class Store:
             owner, h = new
             values.update(from_owner=values["owner"], owner=owner, task_name=h.task_name)
             values.update(task_id=h.task_id, hostname=h.hostname, pid=h.pid)
-        rows = self._extend(values, seconds, hold, None)
+        rows = self._extend(values, seconds, hold, None, handover=new is not None)
         if not rows:
             return None
         token, acquired_at, expires_at = rows[0]
@@ -300,10 +300,10 @@ class Store:
         )
 
     def _extend(
-        self, values: dict[str, Any], seconds: float, hold: float, lease: Lease | None
-    ) -> list[tuple[Any, ...]] | None:
+        self, values: dict[str, Any], seconds: float, hold: float, lease: Lease | None,
+        handover: bool = False,
+    ) -> list[tuple[Any, ...]] | None:  # fmt: skip
         values["ttl"] = self._secs(seconds)
-        handover = "from_owner" in values
         stmt = self._sql.handover if handover else self._sql.renew
         if hold:
             stmt = self._sql.handover_hold if handover else self._sql.renew_hold

@@ -11,6 +11,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
 from taskguard import (
+    InvalidArgument,
     InvalidKey,
     InvalidTTL,
     LockHeld,
@@ -154,7 +155,7 @@ def test_exclusive_adopt_keeps_the_throttle_window(guard: TaskGuard) -> None:
 def test_adopt_refuses_holder_details_unless_exclusive(guard: TaskGuard) -> None:
     lease = guard.acquire("k", 30)
     assert lease is not None
-    with pytest.raises(TypeError, match="exclusive=True"):
+    with pytest.raises(InvalidArgument, match="task_id= only with exclusive=True"):
         guard.adopt("k", lease.owner, 30, task_id="x")
     assert guard.get("k") is not None and guard.get("k").owner == lease.owner  # type: ignore[union-attr]
 
