@@ -40,11 +40,27 @@ def _syncs_during(url: str, work: object) -> int:
     return _wal_syncs(url) - before
 
 
+#: pg_stat_wal counts the whole server's syncs, so durable commits of tests running
+#: beside this one add to a phase's count: a phase that must not flush is measured
+#: up to this many times and its fewest syncs count (noise only ever adds).
+TRIES = 4
+
+
+def _fewest_syncs(url: str, prepare: object, work: object, enough: float) -> int:
+    counts: list[int] = []
+    for _ in range(TRIES):
+        prepare()  # type: ignore[operator]
+        counts.append(_syncs_during(url, work))
+        if counts[-1] < enough:
+            break
+    return min(counts)
+
+
 def test_grants_and_renewals_wait_for_the_flush_releases_and_reaps_do_not(pg_url: str) -> None:
     leases: list[Lease] = []
 
     def acquire(guard: TaskGuard) -> None:
-        leases.extend(lease for i in range(N) if (lease := guard.acquire(f"wal:{i}", 60)))
+        leases[:] = [lease for i in range(N) if (lease := guard.acquire(f"wal:{i}", 60))]
 
     def renew(guard: TaskGuard) -> None:
         assert all(guard.renew(lease) for lease in leases)
@@ -55,25 +71,48 @@ def test_grants_and_renewals_wait_for_the_flush_releases_and_reaps_do_not(pg_url
     def reap(guard: TaskGuard) -> None:
         assert guard.reap(grace=0, batch_size=1) == N  # one batch (one commit) per row
 
+    tries = iter(range(TRIES))
+
     def release_marking(guard: TaskGuard) -> None:
+        attempt = next(tries)
         for i in range(N):
             lease = guard.acquire(f"wal:{i}", 60)
             assert lease is not None
-            assert guard.release(lease, marker=Marker(f"done:{i}", 60))
+            assert guard.release(lease, marker=Marker(f"done:{attempt}:{i}", 60))
+
+    def free_keys() -> None:
+        helper = TaskGuard(pg_url)
+        for lease in leases:
+            helper.release(lease)
+        leases.clear()
+        helper.reap(grace=0)
+        helper.dispose()
+
+    def fresh_leases() -> None:
+        free_keys()
+        helper = TaskGuard(pg_url)
+        acquire(helper)
+        helper.dispose()
+        assert len(leases) == N
+
+    def expired_rows() -> None:
+        fresh_leases()
+        helper = TaskGuard(pg_url)
+        release(helper)
+        helper.dispose()
 
     grants = _syncs_during(pg_url, acquire)
     renewals = _syncs_during(pg_url, renew)
-    releases = _syncs_during(pg_url, release)
-    reaps = _syncs_during(pg_url, reap)
+    releases = _fewest_syncs(pg_url, fresh_leases, release, N * 0.25)
+    reaps = _fewest_syncs(pg_url, expired_rows, reap, N * 0.25)
     # Each pair's grant waits; the release with its marker does not.
-    pairs = _syncs_during(pg_url, release_marking)
-    assert len(leases) == N
+    pairs = _fewest_syncs(pg_url, free_keys, release_marking, N * 1.25)
     print(
         f"WAL syncs: grants {grants}, renewals {renewals}, releases {releases}, "
         f"reaps {reaps}, grant + marking release pairs {pairs}"
     )
-    assert N * 0.8 <= pairs < N * 1.25, pairs
     # Each durable commit flushes (a concurrent commit may share a flush: allow a few).
+    assert N * 0.8 <= pairs < N * 1.25, pairs
     assert grants >= N * 0.8 and renewals >= N * 0.8, (grants, renewals)
     # Only the WAL writer's periodic flushes (every wal_writer_delay, 200 ms by default).
     assert releases < N * 0.25 and reaps < N * 0.25, (releases, reaps)

@@ -7,13 +7,17 @@ import logging
 import multiprocessing as mp
 import os
 import time
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
 import pytest
+from sqlalchemy import Engine, create_engine, select
 from sqlalchemy.engine import make_url
+from sqlalchemy.pool import NullPool
 
 from taskguard import TaskGuard
+from taskguard.models import TaskLock
 
 pytestmark = pytest.mark.slow
 
@@ -143,9 +147,22 @@ def _holder_slot(url: str, ready: Any, out: Any) -> None:
     guard.dispose()
 
 
-def _queued(url: str, name: str, out: Any) -> None:
+def _wanted_until(engine: Engine, key: str) -> datetime | None:
+    with engine.connect() as conn:
+        return conn.execute(select(TaskLock.wanted_until).where(TaskLock.key == key)).scalar_one()
+
+
+def _moved_on(before: datetime | None, now: datetime | None) -> bool:
+    """A new waiter raised wanted_until by ~10 s (a re-announcement by one already
+    in line moves it by microseconds at most)."""
+    if now is None:
+        return False
+    return before is None or now - before > timedelta(seconds=5)
+
+
+def _queued(url: str, name: str, out: Any, wait: float = 30) -> None:
     guard = TaskGuard(url)
-    lease = guard.acquire("fair", 30, wait=30, task_name=name)
+    lease = guard.acquire("fair", 30, wait=wait, task_name=name)
     assert lease is not None, name
     out.put((name, lease.token))
     time.sleep(0.2)
@@ -176,11 +193,20 @@ def test_the_longest_waiter_goes_first_and_nobody_starves(db_url: str) -> None:
         first = guard.acquire("fair", 30, task_name="first")
         assert first is not None
         waiters = []
+        engine = create_engine(db_url, poolclass=NullPool)  # no socket shared by a fork
         for i in range(3):
-            p = ctx.Process(target=_queued, args=(db_url, f"w{i}", out))
+            # Each waiter waits 10 s longer than the one before, so its place in line
+            # shows as wanted_until moving on; it starts only once the one before is
+            # in line (sleeps alone misorder them on a loaded machine).
+            before = _wanted_until(engine, "fair")
+            p = ctx.Process(target=_queued, args=(db_url, f"w{i}", out, 30 + 10 * i))
             p.start()
             waiters.append(p)
-            time.sleep(0.3)  # w0 has waited longest, then w1, then w2
+            deadline = time.monotonic() + 30
+            while not _moved_on(before, _wanted_until(engine, "fair")):
+                assert time.monotonic() < deadline, f"w{i} never announced itself"
+                time.sleep(0.02)
+        engine.dispose()
         stream = ctx.Process(target=_newcomers, args=(db_url, stop, out))
         stream.start()
         time.sleep(0.2)
