@@ -16,11 +16,12 @@ from sqlalchemy import URL, Engine
 
 from taskguard.batch import BatchOperations
 from taskguard.deadline import DEFAULT_CALL_TIMEOUT
-from taskguard.exceptions import InvalidArgument, InvalidKey, LockHeld
+from taskguard.exceptions import InvalidKey, LockHeld
 from taskguard.fencing import fence
 from taskguard.history import LockEvent, explain, secs, with_holders
 from taskguard.keys import (
     MAX_LIMIT,
+    adopter_for,
     holder_for,
     normalize_key,
     optional_seconds,
@@ -265,7 +266,10 @@ class TaskGuard(BatchOperations):
         slot: int = 0,
         min_hold: float | timedelta | None = None,
         exclusive: bool = False,
-        **holder_details: Any,
+        task_name: str | None = None,
+        task_id: str | None = None,
+        hostname: str | None = None,
+        pid: int | None = None,
     ) -> Lease | None:
         """Take over a live lease by its owner id (e.g. one a publisher acquired and
         handed to the worker in the message), renewing it to ``ttl``; pass the
@@ -277,11 +281,8 @@ class TaskGuard(BatchOperations):
         key = normalize_key(key)
         seconds = validate_ttl(ttl)
         hold = optional_seconds(min_hold, "min_hold")
-        if holder_details and not exclusive:
-            name = next(iter(holder_details))
-            msg = f"adopt() takes {name}= only with exclusive=True (the holder changes then)"
-            raise InvalidArgument(msg, name, holder_details[name])
-        new = (uuid.uuid4().hex, holder_for(self.hostname, **holder_details)) if exclusive else None
+        holder = adopter_for(self.hostname, exclusive, task_name, task_id, hostname, pid, slot)
+        new = None if holder is None else (uuid.uuid4().hex, holder)
         lease = self._store.adopt(key, owner, slot, seconds, hold, new)
         if lease is not None and new is not None and self.history:
             self._store.history.handed_over(owner, lease, new[1])

@@ -20,6 +20,7 @@ __all__ = [
     "MAX_LIMIT",
     "MAX_TTL",
     "MIN_TTL",
+    "adopter_for",
     "holder_for",
     "normalize_key",
     "optional_seconds",
@@ -113,6 +114,27 @@ def holder_for(
     validate_holder(task_name, task_id, hostname, pid, slot)
     hostname = hostname if hostname is not None else default_host
     return Holder(task_name, task_id, hostname, pid if pid is not None else os.getpid())
+
+
+def adopter_for(
+    default_host: str,
+    exclusive: bool,
+    task_name: str | None,
+    task_id: str | None,
+    hostname: str | None,
+    pid: int | None,
+    slot: int,
+) -> Holder | None:
+    """The new holder of an exclusive adoption (:func:`holder_for`); ``None`` for a
+    plain one, which keeps its holder and so takes no holder details."""
+    if exclusive:
+        return holder_for(default_host, task_name, task_id, hostname, pid, slot)
+    details = {"task_name": task_name, "task_id": task_id, "hostname": hostname, "pid": pid}
+    for name, value in details.items():
+        if value is not None:
+            msg = f"adopt() takes {name}= only with exclusive=True (the holder changes then)"
+            raise InvalidArgument(msg, name, value)
+    return None
 
 
 def validate_holder(
