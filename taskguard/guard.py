@@ -179,8 +179,8 @@ class TaskGuard(BatchOperations):
         store = self._store
         if limit == 1 and min_hold is None and wait is None and type(limit) is int:
             values = store.grant_values(key, slot, uuid.uuid4().hex, seconds, holder, 1, unless)
-            lease = store.grant(values, 1, seconds, 0.0)
-            return self._outcome(lease, values, holder, None)
+            lease, seen = store.grant_seeing(values, seconds)
+            return self._outcome(lease, values, holder, None, seen)
         n = validate_limit(limit, slot)
         hold = optional_seconds(min_hold, "min_hold")
         waiting = optional_seconds(wait, "wait")
@@ -193,11 +193,11 @@ class TaskGuard(BatchOperations):
         def attempt() -> Lease | None:
             return store.grant(values, n, seconds, hold)
 
-        lease = attempt()
+        lease, seen = store.grant_seeing(values, seconds, hold) if n == 1 else (attempt(), None)
         waited = None
         if lease is None and waiting > 0:
             started = time.monotonic()
-            current = store.live_holder(key)
+            current, seen = seen or store.live_holder(key), None  # stale after the wait
             log.info(
                 "lock %r is held by %s; waiting up to %gs",
                 key,
@@ -207,18 +207,20 @@ class TaskGuard(BatchOperations):
             slots = range(slot, slot + 1) if n == 1 else range(n)
             lease = wait_for(store, attempt, key, values["owner"], slots, waiting)
             waited = time.monotonic() - started
-        return self._outcome(lease, values, holder, waited)
+        return self._outcome(lease, values, holder, waited, seen)
 
     def _outcome(
-        self, lease: Lease | None, values: dict[str, Any], holder: Holder, waited: float | None
-    ) -> Attempt:
+        self, lease: Lease | None, values: dict[str, Any], holder: Holder, waited: float | None,
+        seen: LockInfo | None = None,
+    ) -> Attempt:  # fmt: skip
         key = values["key"]
         if lease is not None:
             if self.history:
                 detail = f"throttle window {secs(lease.min_hold)}" if lease.min_hold else None
                 self._store.history.acquired(lease, values, waited, detail)
             return Attempt(lease, None)
-        current = self._store.live_holder(key)
+        # The holder the refusing statement saw, where it reads one; else read now.
+        current = seen or self._store.live_holder(key)
         if current is None and values["unless"] is not None:
             current = self._store.live_holder(values["unless"])
         gave_up = f" (gave up after waiting {waited:.3f}s)" if waited else ""

@@ -256,6 +256,17 @@ class Dialect:
         expires_at)`` only if granted, or for a limit ``(slot, token or None, …)``."""
         return rows
 
+    def reading_refusal(self, acquire: Any, fl: Flavor, unless: bool) -> Any:
+        """The single acquire as built from the hooks above, or a statement that also
+        returns the rows of the key it was refused by (then :meth:`holders` finds
+        them): one round trip per refusal instead of two."""
+        return acquire
+
+    def holders(self, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        """The rows of the key (and marker) an acquire was refused by, in ``get``'s
+        shape, where :meth:`reading_refusal` returns them; else none."""
+        return []
+
     def quick_commit(self) -> ColumnElement[bool] | None:
         """A condition that makes a statement's own transaction commit without
         waiting for durability, for statements whose loss in a crash is harmless

@@ -37,6 +37,7 @@ from sqlalchemy.dialects import postgresql as pg
 from sqlalchemy.sql import func
 
 from taskguard.dialects import postgresql_batch as batch_sql
+from taskguard.dialects import postgresql_refusal as refusal
 from taskguard.dialects.base import RESERVE_GRACE, Dialect, ErrorKind, Flavor, ReapStep, T
 from taskguard.models import RELEASE_CHANNEL, token_sequence
 
@@ -277,6 +278,17 @@ class PostgreSQL(Dialect):
 
     def token_insert(self) -> ColumnElement[Any]:
         return token_sequence.next_value()
+
+    def reading_refusal(self, acquire: Any, fl: Flavor, unless: bool) -> Any:
+        return refusal.reading_refusal(acquire, fl.now, unless)
+
+    def granted(
+        self, rows: list[tuple[Any, ...]], owner: str, slots: bool
+    ) -> list[tuple[Any, ...]]:
+        return rows if slots else refusal.granted_rows(rows)
+
+    def holders(self, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        return refusal.holder_rows(rows)
 
     def token_takeover(self, ins: Any) -> ColumnElement[Any]:
         # A fresh value taken while holding the row lock: above the replaced grant's.

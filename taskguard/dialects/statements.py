@@ -113,8 +113,10 @@ def build_lock_sql(d: Dialect, sa_dialect: SADialect) -> LockSQL:
 
     own = d.own_statements(fl)
     # A dialect that writes its own acquire need not offer the upsert hooks.
-    acquire = own["acquire"] if "acquire" in own else _acquire(d, fl)
-    acquire_unless = None if "acquire" in own else _acquire(d, fl, unless=True)
+    acquire = own["acquire"] if "acquire" in own else d.reading_refusal(_acquire(d, fl), fl, False)
+    acquire_unless = (
+        None if "acquire" in own else d.reading_refusal(_acquire(d, fl, unless=True), fl, True)
+    )
     acquire_slots = own["acquire_slots"] if "acquire_slots" in own else _acquire_slots(d, fl)
 
     mine = and_(

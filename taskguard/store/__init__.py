@@ -22,6 +22,7 @@ from taskguard.deadline import DEFAULT_CALL_TIMEOUT, bounded
 from taskguard.dialects import Dialect, Statement, lock_sql_for
 from taskguard.exceptions import DatabaseUnavailable, OutcomeUnknown
 from taskguard.lease import Holder, Lease, LockInfo, Marker
+from taskguard.store import infos, reaping
 from taskguard.store.batches import Batches
 from taskguard.store.connections import Executor, create_lock_engine
 from taskguard.store.errors import translate_error
@@ -123,14 +124,28 @@ class Store:
         committed: the outcome is read back by owner (unique to this attempt), never
         assumed; if even that fails, :class:`~taskguard.OutcomeUnknown`.
         """
+        return self._grant(values, limit, seconds, hold)[0]
+
+    @bounded
+    def grant_seeing(
+        self, values: dict[str, Any], seconds: float, hold: float = 0.0
+    ) -> tuple[Lease | None, LockInfo | None]:
+        """:meth:`grant` of one slot and, when refused, the live holder of the key (of
+        ``unless`` if the key is free) where the attempt read it anyway: by the acquire
+        statement itself, or by the check of ``unless``; else ``None`` (read it)."""
+        return self._grant(values, 1, seconds, hold)
+
+    def _grant(
+        self, values: dict[str, Any], limit: int, seconds: float, hold: float
+    ) -> tuple[Lease | None, LockInfo | None]:
         key = values["key"]
         stmt = self._sql.acquire if limit == 1 else self._sql.acquire_slots
         unless = values.get("unless")
         if unless is not None:
             if limit == 1 and self._sql.acquire_unless is not None:
                 stmt = self._sql.acquire_unless
-            elif self.live_holder(unless) is not None:
-                return None
+            elif (marker := self.live_holder(unless)) is not None:
+                return None, self.live_holder(key) or marker
         try:
             rows, _ = self.run(stmt, values)
         except (OutcomeUnknown, DatabaseUnavailable) as exc:
@@ -139,7 +154,7 @@ class Store:
             recovered = self._recover(values, None if limit > 1 else values["slot"], exc)
             if recovered is not None:
                 recovered.ttl, recovered.min_hold = seconds, hold
-                return recovered
+                return recovered, None
             try:
                 rows, _ = self.run(stmt, values)
             except DatabaseUnavailable as again:
@@ -152,6 +167,7 @@ class Store:
                     values["owner"],
                     self.url,
                 ) from again
+        seen = self.dialect.holders(rows) if limit == 1 else []
         rows = self.dialect.granted(rows, values["owner"], limit > 1)
         if limit > 1:
             if rows and rows[0][1] is None:
@@ -159,18 +175,19 @@ class Store:
                 # (that slot now exists; the retry takes another or finds all taken).
                 rows = self.dialect.granted(self.run(stmt, values)[0], values["owner"], True)
             if not rows or rows[0][1] is None:
-                return None
+                return None, None
             slot, token, acquired_at, expires_at = rows[0]
         elif rows:
             slot = values["slot"]
             token, acquired_at, expires_at = rows[0]
         else:
-            return None
+            read = infos.decode(seen, self._conv)
+            return None, infos.live(read, key) or infos.live(read, unless)
         conv = self._conv
         return Lease(
             key, values["owner"], int(token), conv(acquired_at), conv(expires_at),
             seconds, int(slot), hold,
-        )  # fmt: skip
+        ), None  # fmt: skip
 
     def _recover(
         self, values: dict[str, Any], slot: int | None, cause: DatabaseUnavailable
@@ -347,21 +364,7 @@ class Store:
     # -- reading rows ----------------------------------------------------------------
 
     def _infos(self, stmt: Statement, values: Mapping[str, Any]) -> list[LockInfo]:
-        rows, _ = self.run(stmt, values)
-        conv = self._conv
-        return [
-            LockInfo(
-                key=r[0],
-                slot=int(r[1]),
-                owner=r[2],
-                token=int(r[3]),
-                acquired_at=conv(r[4]),
-                expires_at=conv(r[5]),
-                holder=Holder(task_name=r[6], task_id=r[7], hostname=r[8], pid=r[9]),
-                read_at=conv(r[10]),
-            )
-            for r in rows
-        ]
+        return infos.decode(self.run(stmt, values)[0], self._conv)
 
     def rows(self, key: str) -> list[LockInfo]:
         """Every slot row of ``key``, live or not."""
@@ -373,8 +376,7 @@ class Store:
 
     def live_holder(self, key: str) -> LockInfo | None:
         """The live holder whose lease ends first (under a limit there may be several)."""
-        live = [info for info in self.rows(key) if info.held]
-        return min(live, key=lambda i: i.expires_at) if live else None
+        return infos.live(self.rows(key), key)
 
     def held(self, prefix: str, *, include_expired: bool, limit: int) -> list[LockInfo]:
         stmt = self._sql.held_all if include_expired else self._sql.held
@@ -401,20 +403,6 @@ class Store:
     ) -> tuple[int, int]:
         """Delete rows whose lease ended more than ``grace`` seconds ago, one short
         transaction per batch; (removed, batches)."""
-        stmt = self._sql.reap_batch_history if history else self._sql.reap_batch
-        after = self.dialect.reap_start()
-        removed = batches = 0
-        while max_batches is None or batches < max_batches:
-            values = {**after, "grace": self._secs(-grace), "batch_size": batch_size}
-            rows, _ = self.run(stmt, values)
-            batches += 1
-            step = self.dialect.reap_step(rows, after)
-            after = step.after
-            if step.reaped and history:
-                self.history.reaped(step.reaped)
-            removed += step.deleted
-            if progress is not None:
-                progress(removed)
-            if step.scanned < batch_size:
-                break
-        return removed, batches
+        log_to = self.history if history else None
+        args = (grace, batch_size, max_batches, progress)
+        return reaping.reap(self.run, self._sql, self.dialect, log_to, *args)

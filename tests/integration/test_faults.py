@@ -107,7 +107,8 @@ def test_terminated_backend_mid_acquire_is_read_back_then_retried(
             for _ in range(200):
                 row = admin.execute(
                     "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
-                    "AND wait_event_type = 'Lock' AND query LIKE 'INSERT INTO task_locks%'"
+                    "AND wait_event_type = 'Lock' AND query LIKE '%INSERT INTO task_locks%' "
+                    "AND pid <> pg_backend_pid()"
                 ).fetchone()
                 if row:
                     pid = row[0]

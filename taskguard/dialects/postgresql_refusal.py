@@ -1,0 +1,83 @@
+"""PostgreSQL's single acquire, reading its refusal in the same round trip. Part of
+the PostgreSQL dialect (:mod:`taskguard.dialects.postgresql`), kept apart for size.
+
+Every refused acquire is logged with its holder, and :meth:`TaskGuard.try_acquire`
+returns it, so a refusal used to cost a second statement: the read of the key's
+rows. In a duplicate storm (the same task published again and again while it is
+held) that read cost more than the acquire itself. Here the acquire is a
+data-modifying CTE, and the statement also returns the key's rows (and the marker
+key's, for ``acquire_unless``) when nothing was granted.
+
+Both parts see the statement's snapshot. A refusal decided by the acquire's read of
+a live row therefore always finds that row. A refusal decided by the upsert's
+takeover condition, on a row committed after the snapshot, may find only the older
+version (ended, or no row at all): no live holder, and the caller reads the rows
+afresh, as before. The holder read costs a grant nothing: its branch is skipped
+once the CTE returned a row.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import (
+    ColumnElement,
+    bindparam,
+    cast,
+    exists,
+    literal_column,
+    null,
+    select,
+    union_all,
+)
+
+from taskguard.dialects.base import HOLDER_COLS, T
+
+__all__ = ["ROW_WIDTH", "granted_rows", "holder_rows", "reading_refusal"]
+
+_ROW = (
+    T.c.key,
+    T.c.slot,
+    T.c.owner,
+    T.c.token,
+    T.c.acquired_at,
+    T.c.expires_at,
+    *(T.c[c] for c in HOLDER_COLS),
+)
+#: Columns per row: the shared read's (``get``: the row, then ``read_at``).
+ROW_WIDTH = len(_ROW) + 1
+
+
+def reading_refusal(acquire: Any, now: ColumnElement[Any], unless: bool) -> Any:
+    """``acquire`` (an ``INSERT … RETURNING token, acquired_at, expires_at``) as one
+    statement whose rows are either the grant, in ``get``'s shape with NULL in every
+    column but token, acquired_at and expires_at (key NULL tells it apart), or the
+    rows of the key (and of ``:unless``) as ``get`` reads them."""
+    got = acquire.cte("got")
+    grant_cols = {"token": got.c.token, "acquired_at": got.c.acquired_at}
+    grant_cols["expires_at"] = got.c.expires_at
+    grant = select(
+        *(grant_cols.get(c.name, cast(null(), c.type)).label(c.name) for c in _ROW),
+        cast(null(), now.type).label("read_at"),
+    )
+    # One equality lookup per key (not key IN (...)): on a table that was tiny when
+    # the statement was prepared, the IN form kept a sequential scan as its plan.
+    keys = ["key", "unless"] if unless else ["key"]
+    nothing_granted = ~exists(select(literal_column("1")).select_from(got))
+    reads = (
+        select(*_ROW, now.label("read_at")).where(T.c.key == bindparam(k), nothing_granted)
+        for k in keys
+    )
+    return union_all(grant, *reads)
+
+
+def granted_rows(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """The grant among :func:`reading_refusal`'s rows, as ``(token, acquired_at,
+    expires_at)``."""
+    return [(r[3], r[4], r[5]) for r in rows if r[0] is None]
+
+
+def holder_rows(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """The key's (and the marker's) rows among :func:`reading_refusal`'s, in
+    ``get``'s shape; none when the acquire was granted."""
+    return [r for r in rows if r[0] is not None]

@@ -1,0 +1,36 @@
+"""Lock rows, as the shared reads return them (``get``'s shape: the row, then the
+database's ``read_at``), turned into :class:`~taskguard.lease.LockInfo`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+from taskguard.lease import Holder, LockInfo
+
+__all__ = ["decode", "live"]
+
+
+def decode(rows: list[tuple[Any, ...]], conv: Callable[[Any], datetime]) -> list[LockInfo]:
+    """``conv``: the dialect's timestamp conversion."""
+    return [
+        LockInfo(
+            key=r[0],
+            slot=int(r[1]),
+            owner=r[2],
+            token=int(r[3]),
+            acquired_at=conv(r[4]),
+            expires_at=conv(r[5]),
+            holder=Holder(task_name=r[6], task_id=r[7], hostname=r[8], pid=r[9]),
+            read_at=conv(r[10]),
+        )
+        for r in rows
+    ]
+
+
+def live(found: list[LockInfo], key: str | None) -> LockInfo | None:
+    """Of ``key``'s rows, the live holder whose lease ends first (under a limit
+    there may be several)."""
+    held = [i for i in found if i.key == key and i.held]
+    return min(held, key=lambda i: i.expires_at) if held else None

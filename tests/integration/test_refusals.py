@@ -1,0 +1,159 @@
+"""A refused acquire and the holder it reports: right on every database, and read
+by the acquire statement itself on PostgreSQL (one round trip per refusal, which is
+what a duplicate storm is made of)."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from typing import Any
+
+import psycopg
+import pytest
+from sqlalchemy.engine import make_url
+
+from taskguard import Holder, Marker, TaskGuard
+
+
+def _counting(guard: TaskGuard) -> list[str]:
+    """The first word of every statement the guard sends from now on."""
+    sent: list[str] = []
+    run = guard._store._db.run
+
+    def counted(stmt: Any, values: dict[str, Any]) -> Any:
+        sent.append(stmt.sql.split()[0].upper())
+        return run(stmt, values)
+
+    guard._store._db.run = counted  # type: ignore[method-assign]
+    return sent
+
+
+def _one_round_trip_on_postgresql(guard: TaskGuard, sent: list[str]) -> None:
+    """Elsewhere the holder is read by a statement of its own (SQLite has no
+    data-modifying CTE; MariaDB writes its own acquire)."""
+    if guard.dialect_name == "postgresql":
+        assert sent == ["WITH"], sent
+    else:
+        assert 2 <= len(sent) <= 3, sent
+
+
+def test_refusal_reports_the_holder(guard: TaskGuard) -> None:
+    lease = guard.acquire("feed:1", 30, task_name="import_feed", task_id="t1", pid=7)
+    assert lease is not None
+    sent = _counting(guard)
+    attempt = guard.try_acquire("feed:1", 30, task_name="import_feed", task_id="t2")
+    assert attempt.lease is None and attempt.holder is not None
+    assert (attempt.holder.owner, attempt.holder.token) == (lease.owner, lease.token)
+    assert (attempt.holder.holder.task_id, attempt.holder.holder.pid) == ("t1", 7)
+    assert attempt.holder.held and attempt.holder.expires_at == lease.expires_at
+    _one_round_trip_on_postgresql(guard, sent)
+
+
+def test_refusal_by_a_marker_reports_the_marker(guard: TaskGuard) -> None:
+    """``unless=``: the key itself is free, the marker's row is the holder."""
+    lease = guard.acquire("job:1", 30)
+    assert lease is not None
+    done = Marker("job:1:finished", 60, Holder(task_name="job", task_id="run-1"))
+    assert guard.release(lease, marker=done)
+    sent = _counting(guard)
+    attempt = guard.try_acquire("job:1", 30, unless="job:1:finished")
+    assert attempt.lease is None and attempt.holder is not None
+    assert attempt.holder.key == "job:1:finished"
+    assert attempt.holder.holder.task_id == "run-1"
+    _one_round_trip_on_postgresql(guard, sent)
+
+
+def test_a_grant_reads_no_holder(guard: TaskGuard) -> None:
+    sent = _counting(guard)
+    attempt = guard.try_acquire("free", 30)
+    assert attempt.lease is not None and attempt.holder is None
+    assert len(sent) == 1, sent
+    info = guard.get("free")
+    assert info is not None and info.token == attempt.lease.token
+
+
+def test_refusal_with_min_hold_reads_the_holder_in_the_same_statement(
+    pg_guard: TaskGuard,
+) -> None:
+    lease = pg_guard.acquire("throttled", 30, min_hold=5)
+    assert lease is not None
+    sent = _counting(pg_guard)
+    attempt = pg_guard.try_acquire("throttled", 30, min_hold=5)
+    assert attempt.lease is None and attempt.holder is not None
+    assert attempt.holder.owner == lease.owner
+    assert sent == ["WITH"], sent
+
+
+def test_holder_committed_after_the_statements_snapshot_is_read_afresh(
+    pg_url: str, pg_guard: TaskGuard
+) -> None:
+    """The acquire's snapshot shows the row ended, so it tries the takeover; the row
+    was taken meanwhile (committed while the acquire waited for its row lock), so the
+    takeover condition refuses. The holder branch sees only the ended version: the
+    guard reads the rows again and reports the new holder, never the old one."""
+    old = pg_guard.acquire("race", 0.05, task_name="old")
+    assert old is not None
+    time.sleep(0.1)
+    libpq = make_url(pg_url).set(drivername="postgresql").render_as_string(hide_password=False)
+    winner = psycopg.connect(libpq)  # a transaction: holds the row lock until commit
+    winner.execute(
+        "UPDATE task_locks SET owner = 'winner', task_name = 'new', token = token + 1000, "
+        "acquired_at = statement_timestamp(), "
+        "expires_at = statement_timestamp() + interval '60 seconds' WHERE key = 'race'"
+    )
+    victim = TaskGuard(pg_url)
+    sent = _counting(victim)
+    result: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: result.update(a=victim.try_acquire("race", 30)))
+    thread.start()
+    try:
+        with psycopg.connect(libpq, autocommit=True) as admin:
+            for _ in range(250):
+                if admin.execute(
+                    "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
+                ).fetchone():
+                    break
+                time.sleep(0.02)
+            else:
+                pytest.fail("the acquire never waited for the row lock")
+        winner.commit()
+        thread.join(30)
+    finally:
+        winner.close()
+        victim.dispose()
+    attempt = result["a"]
+    assert attempt.lease is None and attempt.holder is not None
+    assert (attempt.holder.owner, attempt.holder.holder.task_name) == ("winner", "new")
+    assert sent == ["WITH", "SELECT"], sent
+
+
+@pytest.mark.parametrize("marker", [False, True], ids=["key", "key-or-marker"])
+def test_the_refusal_plan_is_index_lookups_even_when_made_on_a_small_table(
+    pg_guard: TaskGuard, pg_url: str, marker: bool
+) -> None:
+    # PostgreSQL keeps the generic plan of a prepared statement, made while the table
+    # was small: a sequential scan chosen then is scanned on every refusal as the
+    # table grows (until an ANALYZE makes it plan again).
+    for i in range(5):
+        pg_guard.acquire(f"small:{i}", 30)
+    stmt = pg_guard._store._sql.acquire_unless if marker else pg_guard._store._sql.acquire
+    assert stmt is not None
+    names: list[str] = []
+
+    def number(match: re.Match[str]) -> str:
+        names.append(match.group(1))
+        return f"${len(names)}"
+
+    numbered = re.sub(r"%\((\w+)\)s", number, stmt.sql)
+    sample = {"key": "'k'", "slot": "0", "owner": "'o'", "ttl": "60", "pid": "1", "unless": "'u'"}
+    args = ", ".join(sample.get(name, "NULL") for name in names)
+    libpq = make_url(pg_url).set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(libpq, autocommit=True) as conn:
+        conn.execute("SET plan_cache_mode = force_generic_plan")
+        conn.execute(f"PREPARE acquire AS {numbered}")
+        conn.execute("BEGIN")
+        plan = "\n".join(r[0] for r in conn.execute(f"EXPLAIN EXECUTE acquire({args})"))
+        conn.execute("ROLLBACK")
+    assert "Seq Scan" not in plan, plan
