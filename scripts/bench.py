@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """taskguard benchmarks (issue #6): every row in one run, ratios from that run.
 
-    python scripts/bench.py [--quick] [--json FILE] [--sections pairs,contention,scale,e2e,storm]
+    python scripts/bench.py [--quick] [--json FILE] [--sections pairs,contention,scale,e2e,storm,refusals]
 
 Needs the local PostgreSQL, Redis and RabbitMQ (URLs below, or the options); the
 storm section also starts a private memcached (installing the Debian package when
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import common, report
 
-SECTIONS = ("pairs", "contention", "scale", "e2e", "storm")
+SECTIONS = ("pairs", "contention", "scale", "e2e", "storm", "refusals")
 DEFAULT_PG = os.environ.get(
     "TASKGUARD_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 )

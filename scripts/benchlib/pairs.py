@@ -37,7 +37,7 @@ TTL = 60.0
 # On a direct connection taskguard prepares named statements (psycopg's threshold, 5);
 # through a pooler it sends unnamed ones. A threshold never reached forces the latter
 # here, to show what the pooler-safe mode costs on the same connection.
-_UNNAMED: dict[str, Any] = {"connect_args": {"prepare_threshold": 2**31 - 1}}
+UNNAMED: dict[str, Any] = {"connect_args": {"prepare_threshold": 2**31 - 1}}
 
 
 class Contestant:
@@ -335,7 +335,7 @@ def run(env: Env) -> list[Row]:
             "pair.pg_floor": lambda row: PgSelectOne(row, url),
             "pair.raw_sql": lambda row: RawSql(row, url, durable=True),
             "pair.taskguard": lambda row: TaskGuardPair(row, url, durable=True),
-            "pair.taskguard_unnamed": lambda row: TaskGuardPair(row, url, durable=True, **_UNNAMED),
+            "pair.taskguard_unnamed": lambda row: TaskGuardPair(row, url, durable=True, **UNNAMED),
             "pair.taskguard_pgbouncer_tx": via_pgbouncer,
             "pair.raw_sql_relaxed": lambda row: RawSql(row, url, durable=False),
             "pair.taskguard_relaxed": lambda row: TaskGuardPair(row, url, durable=False),
@@ -351,14 +351,14 @@ def run(env: Env) -> list[Row]:
                     contestants.append(makers[row.id](row))
                 except Exception as exc:  # report the row, measure the others
                     not_run([row], f"{type(exc).__name__}: {exc}", error=True)
-            _measure(contestants, rounds, per_round, warmup)
+            measure(contestants, rounds, per_round, warmup)
         finally:
             for c in contestants:
                 c.close()
     return out
 
 
-def _measure(contestants: list[Contestant], rounds: int, per_round: int, warmup: int) -> None:
+def measure(contestants: list[Contestant], rounds: int, per_round: int, warmup: int) -> None:
     samples: dict[str, list[int]] = {c.row.id: [] for c in contestants}
     elapsed: dict[str, int] = dict.fromkeys(samples, 0)
     # This process's CPU time: the client-side cost, which machine load barely moves.

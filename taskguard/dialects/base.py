@@ -75,6 +75,10 @@ class Statement:
     #: RETURNING): the storage layer then skips ``cursor.description``, which builds
     #: column objects on every acquire. None: unknown (text), ask the cursor.
     returns_rows: bool | None = None
+    #: Sent instead on a connection that does not keep prepared statements (behind a
+    #: pooler, each execution is parsed and planned again): a shorter statement whose
+    #: rows the dialect also understands.
+    unprepared: Statement | None = None
 
     def params(self, values: Mapping[str, Any]) -> Mapping[str, Any] | tuple[Any, ...]:
         if self.defaults:
@@ -256,11 +260,18 @@ class Dialect:
         expires_at)`` only if granted, or for a limit ``(slot, token or None, …)``."""
         return rows
 
-    def reading_refusal(self, acquire: Any, fl: Flavor, unless: bool) -> Any:
-        """The single acquire as built from the hooks above, or a statement that also
-        returns the rows of the key it was refused by (then :meth:`holders` finds
-        them): one round trip per refusal instead of two."""
-        return acquire
+    def reading_refusal(
+        self, acquire: Any, fl: Flavor, unless: bool, sa_dialect: SADialect
+    ) -> Statement:
+        """The single acquire as built from the hooks above, compiled; or a statement
+        that also returns the rows of the key it was refused by (then :meth:`holders`
+        finds them): one round trip per refusal instead of two."""
+        return compile_for(acquire, sa_dialect)
+
+    def prepares(self, cursor: Any) -> bool:
+        """Whether ``cursor``'s connection keeps prepared statements (else a
+        statement's :attr:`Statement.unprepared` is sent)."""
+        return True
 
     def holders(self, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
         """The rows of the key (and marker) an acquire was refused by, in ``get``'s

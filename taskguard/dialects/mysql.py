@@ -118,13 +118,15 @@ _TAKEOVER = (
     "next_owner = IF(@tg_take AND next_owner = VALUES(owner), NULL, next_owner)"
 )
 
-#: -> (owner, token, acquired_at, expires_at): granted iff owner is ours.
+#: -> (owner, token, acquired_at, expires_at, then the rest of the row and the time
+#: it was read): granted iff owner is ours; else it is the holder's row.
 ACQUIRE = f"""
 INSERT INTO task_locks ({_COLS})
 VALUES (:key, :slot, :owner, NEXT VALUE FOR task_locks_token_seq, {NOW}, {PLUS_TTL},
         :task_name, :task_id, :hostname, :pid)
 ON DUPLICATE KEY UPDATE {_TAKEOVER}
-RETURNING owner, token, acquired_at, expires_at
+RETURNING owner, token, acquired_at, expires_at, `key`, slot, task_name, task_id, hostname, pid,
+          {NOW}
 """
 
 #: Concurrency limit: a random slot of 0..n-1 that has no row or a free one.
@@ -330,7 +332,11 @@ class MariaDB(Dialect):
         # owner is ours. A slot someone else won first reads as a lost race (NULL token).
         if slots:
             return [(r[0], r[2] if r[1] == owner else None, *r[3:]) for r in rows]
-        return [tuple(r[1:]) for r in rows if r[0] == owner]
+        return [tuple(r[1:4]) for r in rows if r[0] == owner]
+
+    def holders(self, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        # The single acquire's row in ``get``'s shape (the holder's, when refused).
+        return [(r[4], r[5], *r[:4], *r[6:]) for r in rows if len(r) == 11]
 
     def reap_sql(self, history: bool) -> str:
         return REAP

@@ -14,8 +14,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import time
 from datetime import datetime, timezone
 from typing import Any
 
@@ -34,12 +34,29 @@ from sqlalchemy import (
     select,
 )
 from sqlalchemy.dialects import postgresql as pg
+from sqlalchemy.engine import Dialect as SADialect
 from sqlalchemy.sql import func
 
 from taskguard.dialects import postgresql_batch as batch_sql
 from taskguard.dialects import postgresql_refusal as refusal
-from taskguard.dialects.base import RESERVE_GRACE, Dialect, ErrorKind, Flavor, ReapStep, T
-from taskguard.models import RELEASE_CHANNEL, token_sequence
+from taskguard.dialects.base import (
+    RESERVE_GRACE,
+    Dialect,
+    ErrorKind,
+    Flavor,
+    ReapStep,
+    Statement,
+    T,
+    compile_for,
+)
+from taskguard.dialects.postgresql_connections import (
+    ReleaseListener,
+    backend_pid_is_real,
+    prepare_when_direct,
+    warn_once,
+    warn_pooled_once,
+)
+from taskguard.models import token_sequence
 
 __all__ = ["PostgreSQL"]
 
@@ -158,92 +175,9 @@ def _now() -> ColumnElement[Any]:
     return func.statement_timestamp(type_=DateTime(timezone=True))
 
 
-class _ReleaseListener:
-    """A dedicated connection LISTENing for releases, taken out of the pool."""
-
-    def __init__(self, engine: Engine) -> None:
-        raw = engine.raw_connection()
-        try:
-            conn: Any = raw.driver_connection
-            raw.detach()  # its LISTEN must never leak back into the pool
-            conn.autocommit = True
-            conn.execute(f"LISTEN {RELEASE_CHANNEL}")
-            direct = backend_pid_is_real(conn)
-        except BaseException:
-            raw.close()
-            raise
-        self.pooled = not direct
-        self._raw = raw
-        self._conn = conn
-
-    def wait(self, key: str, timeout: float) -> bool:
-        end = time.monotonic() + timeout
-        while (left := end - time.monotonic()) > 0:
-            for note in self._conn.notifies(timeout=left, stop_after=1):
-                if note.payload == key:
-                    return True
-        return False
-
-    def close(self) -> None:
-        try:
-            self._raw.close()
-        except Exception:  # pragma: no cover - closing a broken connection
-            log.debug("closing the release listener failed", exc_info=True)
-
-
-#: psycopg's own default: prepare a statement on the server after 5 runs.
-PREPARE_THRESHOLD = 5
-
-
-def backend_pid_is_real(conn: Any) -> bool:
-    """Whether ``conn`` talks to its server backend directly. A pooler that shares
-    server connections between clients (PgBouncer in any mode, and any transaction
-    pooler by construction: a client's server backend changes between transactions)
-    must hand clients a made-up backend pid and cancel key to route cancel
-    requests; a direct connection reports the backend's own pid."""
-    row = conn.execute("SELECT pg_backend_pid()").fetchone()
-    return row is not None and int(row[0]) == conn.info.backend_pid
-
-
-def _prepare_when_direct(dbapi_conn: Any, _record: Any) -> None:
-    # Named statements save the server a parse and plan per lock statement (measured:
-    # 0-16% of a pair's time, docs/operations.md); only where nothing can hand the
-    # name to another client. An explicit prepare_threshold in the engine options wins.
-    if dbapi_conn.prepare_threshold is not None:
-        return
-    prev = dbapi_conn.autocommit
-    dbapi_conn.autocommit = True
-    try:
-        if backend_pid_is_real(dbapi_conn):
-            dbapi_conn.prepare_threshold = PREPARE_THRESHOLD
-    finally:
-        dbapi_conn.autocommit = prev
-
-
-_warned_pooled: set[str] = set()
-
-
-def _warn_once(url: URL, message: str) -> None:
-    shown = url.render_as_string(hide_password=True)
-    if (message, shown) not in _warned:
-        _warned.add((message, shown))
-        log.warning(message, shown)
-
-
-_warned: set[tuple[str, str]] = set()
-
-
-def _warn_pooled_once(engine: Engine) -> None:
-    url = engine.url.render_as_string(hide_password=True)
-    if url not in _warned_pooled:
-        _warned_pooled.add(url)
-        log.warning(
-            "wait= on %s: this URL goes through a connection pooler, where LISTEN cannot "
-            "keep its connection; waiters poll instead (every 0.5 s at most). Set "
-            "taskguard_listen_url (TaskGuard(listen_url=...)) to a direct or "
-            "session-pooled URL of the same database to be woken by releases.",
-            url,
-        )
+#: Executions before psycopg prepares a statement, above which a connection counts as
+#: one that parses and plans every statement (:meth:`PostgreSQL.prepares`).
+PREPARES_WITHIN = 100
 
 
 class PostgreSQL(Dialect):
@@ -279,8 +213,20 @@ class PostgreSQL(Dialect):
     def token_insert(self) -> ColumnElement[Any]:
         return token_sequence.next_value()
 
-    def reading_refusal(self, acquire: Any, fl: Flavor, unless: bool) -> Any:
-        return refusal.reading_refusal(acquire, fl.now, unless)
+    def reading_refusal(
+        self, acquire: Any, fl: Flavor, unless: bool, sa_dialect: SADialect
+    ) -> Statement:
+        # Behind a pooler the longer statement's parse and plan on every execution
+        # cost a grant more than the round trip it saves a refusal (measured: pairs
+        # 15-25% slower): the plain acquire is sent there.
+        reading = compile_for(refusal.reading_refusal(acquire, fl.now, unless), sa_dialect)
+        return dataclasses.replace(reading, unprepared=compile_for(acquire, sa_dialect))
+
+    def prepares(self, cursor: Any) -> bool:
+        # None: never (behind a pooler); a threshold in the millions (a way to say
+        # "never" without our direct-connection probe undoing it) is the same in effect.
+        threshold = cursor.connection.prepare_threshold
+        return threshold is not None and threshold <= PREPARES_WITHIN
 
     def granted(
         self, rows: list[tuple[Any, ...]], owner: str, slots: bool
@@ -346,7 +292,7 @@ class PostgreSQL(Dialect):
 
     def configure_engine(self, engine: Engine, url: URL, *, durable: bool) -> None:
         if engine.dialect.driver == "psycopg":
-            event.listen(engine, "connect", _prepare_when_direct)
+            event.listen(engine, "connect", prepare_when_direct)
         if durable:
             return
 
@@ -358,7 +304,7 @@ class PostgreSQL(Dialect):
                 if not backend_pid_is_real(dbapi_conn):
                     # Behind a pooler a session SET lands on a shared server connection:
                     # it would make *other* clients' commits non-durable, and miss ours.
-                    _warn_once(
+                    warn_once(
                         url,
                         "durable=False on %s ignored: the URL goes through a connection "
                         "pooler, where a session SET would leak to other clients",
@@ -368,14 +314,14 @@ class PostgreSQL(Dialect):
             finally:
                 dbapi_conn.autocommit = prev
 
-    def listener(self, engine: Engine, *, pooled_ok: bool = False) -> _ReleaseListener | None:
+    def listener(self, engine: Engine, *, pooled_ok: bool = False) -> ReleaseListener | None:
         if engine.dialect.driver != "psycopg":
             return None
-        listener = _ReleaseListener(engine)
+        listener = ReleaseListener(engine)
         if pooled_ok or not listener.pooled:
             return listener
         listener.close()
-        _warn_pooled_once(engine)
+        warn_pooled_once(engine)
         return None
 
     def classify(self, exc: BaseException, text: str) -> ErrorKind | None:

@@ -73,11 +73,14 @@ def reading_refusal(acquire: Any, now: ColumnElement[Any], unless: bool) -> Any:
 
 def granted_rows(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
     """The grant among :func:`reading_refusal`'s rows, as ``(token, acquired_at,
-    expires_at)``."""
+    expires_at)``; the plain acquire's rows (sent instead where statements are not
+    prepared) are in that shape already."""
+    if rows and len(rows[0]) != ROW_WIDTH:
+        return rows
     return [(r[3], r[4], r[5]) for r in rows if r[0] is None]
 
 
 def holder_rows(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
     """The key's (and the marker's) rows among :func:`reading_refusal`'s, in
-    ``get``'s shape; none when the acquire was granted."""
-    return [r for r in rows if r[0] is not None]
+    ``get``'s shape; none when the acquire was granted, or was the plain one."""
+    return [r for r in rows if len(r) == ROW_WIDTH and r[0] is not None]

@@ -11,20 +11,15 @@ from typing import Any
 
 from sqlalchemy import (
     ColumnElement,
-    Float,
     Select,
-    String,
     and_,
     bindparam,
     case,
-    insert,
-    literal,
     literal_column,
     null,
     or_,
     select,
     text,
-    union_all,
     update,
 )
 from sqlalchemy.engine import Dialect as SADialect
@@ -32,14 +27,15 @@ from sqlalchemy.sql import func
 from sqlalchemy.sql.elements import BindParameter
 
 from taskguard.dialects.base import (
-    EV,
     HOLDER_COLS,
     Dialect,
     Flavor,
     LockSQL,
+    Statement,
     T,
     compile_for,
 )
+from taskguard.dialects.event_statements import event_statements
 from taskguard.models import SQLITE_TOKEN_TABLE
 
 __all__ = ["INSERT_COLS", "build_lock_sql", "free_sql"]
@@ -54,9 +50,6 @@ _ROW_COLS = (
     _t.c.expires_at,
     *(_t.c[c] for c in HOLDER_COLS),
 )
-_EVENT_COLS = ("at", "key", "slot", "event", "owner", "token", "duration", *HOLDER_COLS, "detail")
-#: Events that end a grant: after one of them a takeover is not "taken_over".
-_ENDINGS = ("released", "lost", "force_released", "reaped", "taken_over")
 
 INSERT_COLS = "key, slot, owner, token, acquired_at, expires_at, task_name, task_id, hostname, pid"
 TAKEOVER_SET = (
@@ -113,9 +106,12 @@ def build_lock_sql(d: Dialect, sa_dialect: SADialect) -> LockSQL:
 
     own = d.own_statements(fl)
     # A dialect that writes its own acquire need not offer the upsert hooks.
-    acquire = own["acquire"] if "acquire" in own else d.reading_refusal(_acquire(d, fl), fl, False)
+    by_hooks = "acquire" not in own
+    acquire = (
+        d.reading_refusal(_acquire(d, fl), fl, False, sa_dialect) if by_hooks else own["acquire"]
+    )
     acquire_unless = (
-        None if "acquire" in own else d.reading_refusal(_acquire(d, fl, unless=True), fl, True)
+        d.reading_refusal(_acquire(d, fl, True), fl, True, sa_dialect) if by_hooks else None
     )
     acquire_slots = own["acquire_slots"] if "acquire_slots" in own else _acquire_slots(d, fl)
 
@@ -211,7 +207,7 @@ def build_lock_sql(d: Dialect, sa_dialect: SADialect) -> LockSQL:
         .values(expires_at=now)
         .returning(_t.c.slot, _t.c.owner, _t.c.token, *(_t.c[col] for col in HOLDER_COLS))
     )
-    events = _event_statements(fl)
+    events = event_statements(fl)
     reaped_events = d.reaped_events_sql()
     shared: dict[str, Any] = dict(
         acquire=acquire,
@@ -241,6 +237,8 @@ def build_lock_sql(d: Dialect, sa_dialect: SADialect) -> LockSQL:
 
     def compiled(name: str) -> Any:
         stmt = own.get(name, shared[name])
+        if isinstance(stmt, Statement):  # compiled by the dialect
+            return stmt
         if isinstance(stmt, tuple):  # (statement, the read that follows it)
             first, then = stmt
             return dataclasses.replace(c(first), then=c(then))
@@ -249,7 +247,7 @@ def build_lock_sql(d: Dialect, sa_dialect: SADialect) -> LockSQL:
     return LockSQL(
         **{name: compiled(name) for name in shared},
         reaped_events=None if reaped_events is None else c(text(reaped_events)),
-        acquire_unless=None if acquire_unless is None else c(acquire_unless),
+        acquire_unless=acquire_unless,
         release_marking=c(text(_with_fields(d, fl, d.release_marking_sql)))
         if d.release_marking_sql
         else None,
@@ -273,7 +271,7 @@ def _batch(
     return for_rows
 
 
-def _acquire(d: Dialect, fl: Flavor, *, unless: bool = False) -> Any:
+def _acquire(d: Dialect, fl: Flavor, unless: bool = False) -> Any:
     """The shared ``INSERT … SELECT … ON CONFLICT DO UPDATE … WHERE <free>``;
     ``unless``: no row to insert (so no takeover either) while key ``:unless`` is held."""
     now = fl.now
@@ -347,70 +345,3 @@ def _with_fields(d: Dialect, fl: Flavor, sql: str) -> str:
             **{c: _USED_UP_SQL.format(col=c) for c in _RESERVATION},
         ),
     )
-
-
-def _event_statements(fl: Flavor) -> dict[str, Any]:
-    """Lock history: recording events, reading a key's story, trimming old events."""
-    now = fl.now
-    event_values = {
-        "at": now,
-        **{col: bindparam(col) for col in ("key", "slot", "event", "owner", "token")},
-        # Given (waited), or measured by the database clock from `since` (held).
-        "duration": func.coalesce(
-            bindparam("duration", type_=Float), fl.since(fl.ts_bind("since"))
-        ),
-        **{col: bindparam(col) for col in (*HOLDER_COLS, "detail")},
-    }
-    # A grant, plus "taken_over" for the slot's previous grant if that one ended
-    # without release (its holder crashed, stalled or lost the lease). Both index
-    # lookups walk (key, at) from the newest end.
-    prev = (
-        select(EV)
-        .where(
-            EV.c.key == bindparam("key"),
-            EV.c.slot == bindparam("slot"),
-            EV.c.event == literal_column("'acquired'"),
-        )
-        .order_by(EV.c.at.desc(), EV.c.id.desc())
-        .limit(1)
-        .subquery("p")
-    )
-    ended = EV.alias("e")
-    taken_over = select(
-        now,
-        prev.c.key,
-        prev.c.slot,
-        literal("taken_over", String),
-        prev.c.owner,
-        prev.c.token,
-        fl.since(prev.c.at),
-        *(prev.c[col] for col in HOLDER_COLS),
-        literal("lease expired without release; taken over by owner ", String)
-        + bindparam("owner", type_=String),
-    ).where(
-        prev.c.owner != bindparam("owner"),
-        ~select(ended.c.id)
-        .where(
-            ended.c.key == prev.c.key,
-            ended.c.at >= prev.c.at,
-            ended.c.owner == prev.c.owner,
-            # Literals: a precompiled statement cannot expand an IN parameter.
-            or_(*(ended.c.event == literal_column(f"'{e}'") for e in _ENDINGS)),
-        )
-        .exists(),
-    )
-    granted = select(*(event_values[col] for col in _EVENT_COLS))
-    old = select(EV.c.id).where(EV.c.at < fl.plus("keep")).order_by(EV.c.at)
-    return {
-        "record_event": insert(EV).values(**event_values),
-        "record_acquired": insert(EV).from_select(
-            list(_EVENT_COLS), union_all(taken_over, granted)
-        ),
-        "events": select(*(EV.c[col] for col in ("id", *_EVENT_COLS)))
-        .where(EV.c.key == bindparam("key"))
-        .order_by(EV.c.at.desc(), EV.c.id.desc())
-        .limit(bindparam("limit")),
-        "trim_events": EV.delete().where(
-            EV.c.id.in_(old.limit(bindparam("batch_size")).scalar_subquery())
-        ),
-    }

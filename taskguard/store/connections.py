@@ -150,6 +150,8 @@ class Executor:
 
         Returns the rows (if any) and the affected row count.
         """
+        if stmt.unprepared is not None:
+            return self._on_cursor(_execute_either, stmt, values, self.dialect.prepares)
         return self._on_cursor(_execute, stmt, stmt.params(values), values)
 
     def run_many(self, stmt: Statement, values: Sequence[Mapping[str, Any]]) -> list[int]:
@@ -264,6 +266,14 @@ def _execute(
         cur.execute(stmt.then.sql, stmt.then.params(values))
         rows = list(cur.fetchall())
     return rows, count
+
+
+def _execute_either(
+    cur: Any, stmt: Statement, values: Mapping[str, Any], prepares: Callable[[Any], bool]
+) -> tuple[list[tuple[Any, ...]], int]:
+    if not prepares(cur) and stmt.unprepared is not None:
+        stmt = stmt.unprepared
+    return _execute(cur, stmt, stmt.params(values), values)
 
 
 def _execute_many(cur: Any, stmt: Statement, params: list[Any]) -> list[int]:

@@ -24,10 +24,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.celery]
 def _expected_rows() -> list[str]:
     sys.path.insert(0, str(SCRIPTS))
     try:
-        from benchlib import contention, e2e, pairs, scale, storm
+        from benchlib import contention, e2e, pairs, refusals, scale, storm
     finally:
         sys.path.remove(str(SCRIPTS))
-    return [row.id for mod in (pairs, contention, scale, e2e, storm) for row in mod.rows()]
+    return [
+        row.id for mod in (pairs, contention, scale, e2e, storm, refusals) for row in mod.rows()
+    ]
 
 
 @pytest.mark.timeout(240)

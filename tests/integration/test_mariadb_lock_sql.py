@@ -82,7 +82,8 @@ def _acquire(cur: Any, key: str, ttl: float, owner: str) -> tuple[Any, ...] | No
         },
     )
     assert len(rows) == 1
-    return rows[0] if rows[0][0] == owner else None
+    # (owner, token, acquired_at, expires_at); the rest of the row follows.
+    return tuple(rows[0][:4]) if rows[0][0] == owner else None
 
 
 @pytest.fixture
@@ -385,3 +386,22 @@ def test_force_release_reports_and_ends_every_live_slot(maria_db: str) -> None:
     cur.execute("SELECT owner, expires_at <= UTC_TIMESTAMP(6) FROM task_locks")
     assert cur.fetchall() == (("a" * 32, 1),)  # ended, not deleted
     assert _acquire(cur, "forced", 30, "b" * 32) is not None
+
+
+def test_a_refused_acquire_returns_the_holders_row(maria_db: str) -> None:
+    """The upsert's RETURNING shows the row whoever holds it: refused, that is the
+    holder (what TaskGuard logs and returns, with no read of its own)."""
+    cur = _connect(maria_db).cursor()
+    assert _acquire(cur, "held", 30, "a" * 32) is not None
+    rows = _run(
+        cur,
+        ACQUIRE,
+        {
+            "key": "held", "slot": 0, "owner": "b" * 32, "ttl": 30_000_000,
+            "task_name": "dup", "task_id": "t2", "hostname": "h2", "pid": 2,
+        },
+    )  # fmt: skip
+    (row,) = rows
+    owner, _, _, expires_at, key, slot, task_name, task_id, hostname, _, read_at = row
+    assert (owner, key, slot, task_name, task_id) == ("a" * 32, "held", 0, None, None)
+    assert hostname == "race" and expires_at > read_at

@@ -10,6 +10,8 @@ session) in transaction pooling mode, ``default_pool_size = 5``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from pgbouncer_fixtures import (  # noqa: F401 - fixtures
     pgb_session_url,
@@ -56,7 +58,8 @@ from test_throttle import (  # noqa: F401 - re-run through the pooler
     test_renewals_never_shorten_the_window,
 )
 
-from taskguard import TaskGuard
+from taskguard import Holder, Marker, TaskGuard
+from taskguard.store import connections
 
 pytestmark = pytest.mark.postgres
 
@@ -144,9 +147,9 @@ def test_wait_through_transaction_pooling_polls_and_says_so(
 
 
 def _already_warned(url: str) -> bool:
-    from taskguard.dialects import postgresql
+    from taskguard.dialects import postgresql_connections
 
-    return any(url.rsplit("@", maxsplit=1)[-1] in u for u in postgresql._warned_pooled)
+    return any(url.rsplit("@", maxsplit=1)[-1] in u for u in postgresql_connections._warned_pooled)
 
 
 def test_wait_with_a_direct_listen_url_is_woken_by_the_release(db_url: str, pg_url: str) -> None:
@@ -170,6 +173,40 @@ def _threshold(url: str) -> object:
 def test_prepared_statements_only_on_direct_connections(db_url: str, pg_url: str) -> None:
     assert _threshold(pg_url) == 5  # direct: psycopg's default, a parse saved per statement
     assert _threshold(db_url) is None  # through PgBouncer: unnamed statements only
+
+
+def test_a_refusal_behind_the_pooler_sends_the_plain_acquire_then_reads_the_holder(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unnamed statements are parsed and planned on every execution: the acquire
+    that also reads its refusal costs a grant more there than the read it saves."""
+    sent: list[str] = []
+    execute = connections._execute
+
+    def counted(cur: Any, stmt: Any, params: Any, values: Any) -> Any:
+        sent.append(stmt.sql.split()[0])
+        return execute(cur, stmt, params, values)
+
+    monkeypatch.setattr(connections, "_execute", counted)
+    guard = TaskGuard(db_url)
+    try:
+        lease = guard.acquire("pooled:1", 30, task_name="import_feed", task_id="t1")
+        assert lease is not None
+        done = Marker("pooled:2:finished", 60, Holder(task_id="run-2"))
+        sent.clear()
+        attempt = guard.try_acquire("pooled:1", 30)
+        assert attempt.holder is not None and attempt.holder.owner == lease.owner
+        assert attempt.holder.holder.task_id == "t1"
+        assert sent == ["INSERT", "SELECT"], sent
+        other = guard.acquire("pooled:2", 30)
+        assert other is not None and guard.release(other, marker=done)
+        sent.clear()
+        attempt = guard.try_acquire("pooled:2", 30, unless="pooled:2:finished")
+        assert attempt.lease is None and attempt.holder is not None
+        assert attempt.holder.holder.task_id == "run-2"
+        assert sent == ["INSERT", "SELECT", "SELECT"], sent
+    finally:
+        guard.dispose()
 
 
 # -- migrations, the start-up check, the reaper and the CLI through the pooler -----------

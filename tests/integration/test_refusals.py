@@ -14,6 +14,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from taskguard import Holder, Marker, TaskGuard
+from taskguard.store import connections
 
 
 def _counting(guard: TaskGuard) -> list[str]:
@@ -29,13 +30,10 @@ def _counting(guard: TaskGuard) -> list[str]:
     return sent
 
 
-def _one_round_trip_on_postgresql(guard: TaskGuard, sent: list[str]) -> None:
-    """Elsewhere the holder is read by a statement of its own (SQLite has no
-    data-modifying CTE; MariaDB writes its own acquire)."""
-    if guard.dialect_name == "postgresql":
-        assert sent == ["WITH"], sent
-    else:
-        assert 2 <= len(sent) <= 3, sent
+def _statements(guard: TaskGuard, sent: list[str], **expected: int) -> None:
+    """PostgreSQL reads the holder in the acquire statement (a data-modifying CTE),
+    MariaDB in its upsert's RETURNING; SQLite reads it with a statement of its own."""
+    assert len(sent) == expected[guard.dialect_name], sent
 
 
 def test_refusal_reports_the_holder(guard: TaskGuard) -> None:
@@ -47,7 +45,7 @@ def test_refusal_reports_the_holder(guard: TaskGuard) -> None:
     assert (attempt.holder.owner, attempt.holder.token) == (lease.owner, lease.token)
     assert (attempt.holder.holder.task_id, attempt.holder.holder.pid) == ("t1", 7)
     assert attempt.holder.held and attempt.holder.expires_at == lease.expires_at
-    _one_round_trip_on_postgresql(guard, sent)
+    _statements(guard, sent, postgresql=1, mysql=1, sqlite=2)
 
 
 def test_refusal_by_a_marker_reports_the_marker(guard: TaskGuard) -> None:
@@ -61,7 +59,8 @@ def test_refusal_by_a_marker_reports_the_marker(guard: TaskGuard) -> None:
     assert attempt.lease is None and attempt.holder is not None
     assert attempt.holder.key == "job:1:finished"
     assert attempt.holder.holder.task_id == "run-1"
-    _one_round_trip_on_postgresql(guard, sent)
+    # Elsewhere the marker is checked before the acquire (MariaDB) or in it (SQLite).
+    _statements(guard, sent, postgresql=1, mysql=2, sqlite=3)
 
 
 def test_a_grant_reads_no_holder(guard: TaskGuard) -> None:
@@ -157,3 +156,30 @@ def test_the_refusal_plan_is_index_lookups_even_when_made_on_a_small_table(
         plan = "\n".join(r[0] for r in conn.execute(f"EXPLAIN EXECUTE acquire({args})"))
         conn.execute("ROLLBACK")
     assert "Seq Scan" not in plan, plan
+
+
+@pytest.mark.parametrize(
+    ("threshold", "first"), [(5, "WITH"), (2**31 - 1, "INSERT")], ids=["prepared", "never"]
+)
+def test_a_connection_that_never_prepares_sends_the_plain_acquire(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch, threshold: int, first: str
+) -> None:
+    """Parsed and planned on every execution, the longer statement costs a grant
+    more than the read it saves a refusal (behind a pooler: test_pgbouncer.py)."""
+    sent: list[str] = []
+    execute = connections._execute
+
+    def counted(cur: Any, stmt: Any, params: Any, values: Any) -> Any:
+        sent.append(stmt.sql.split()[0])
+        return execute(cur, stmt, params, values)
+
+    monkeypatch.setattr(connections, "_execute", counted)
+    guard = TaskGuard(pg_url, connect_args={"prepare_threshold": threshold})
+    try:
+        lease = guard.acquire("unnamed", 30, task_id="t1")
+        assert lease is not None
+        attempt = guard.try_acquire("unnamed", 30)
+        assert attempt.holder is not None and attempt.holder.holder.task_id == "t1"
+    finally:
+        guard.dispose()
+    assert sent == [first, first] + (["SELECT"] if first == "INSERT" else []), sent

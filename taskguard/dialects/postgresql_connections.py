@@ -1,0 +1,114 @@
+"""PostgreSQL connections, direct or behind a pooler. Part of the PostgreSQL dialect
+(:mod:`taskguard.dialects.postgresql`), kept apart for size: whether a connection
+talks to its server backend directly (only then are statements prepared under a
+name), the release listener's own connection, and the one-time warnings about
+poolers."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from sqlalchemy import URL, Engine
+
+from taskguard.models import RELEASE_CHANNEL
+
+__all__ = [
+    "PREPARE_THRESHOLD",
+    "ReleaseListener",
+    "backend_pid_is_real",
+    "prepare_when_direct",
+    "warn_once",
+    "warn_pooled_once",
+]
+
+log = logging.getLogger("taskguard")
+
+
+class ReleaseListener:
+    """A dedicated connection LISTENing for releases, taken out of the pool."""
+
+    def __init__(self, engine: Engine) -> None:
+        raw = engine.raw_connection()
+        try:
+            conn: Any = raw.driver_connection
+            raw.detach()  # its LISTEN must never leak back into the pool
+            conn.autocommit = True
+            conn.execute(f"LISTEN {RELEASE_CHANNEL}")
+            direct = backend_pid_is_real(conn)
+        except BaseException:
+            raw.close()
+            raise
+        self.pooled = not direct
+        self._raw = raw
+        self._conn = conn
+
+    def wait(self, key: str, timeout: float) -> bool:
+        end = time.monotonic() + timeout
+        while (left := end - time.monotonic()) > 0:
+            for note in self._conn.notifies(timeout=left, stop_after=1):
+                if note.payload == key:
+                    return True
+        return False
+
+    def close(self) -> None:
+        try:
+            self._raw.close()
+        except Exception:  # pragma: no cover - closing a broken connection
+            log.debug("closing the release listener failed", exc_info=True)
+
+
+#: psycopg's own default: prepare a statement on the server after 5 runs.
+PREPARE_THRESHOLD = 5
+
+
+def backend_pid_is_real(conn: Any) -> bool:
+    """Whether ``conn`` talks to its server backend directly. A pooler that shares
+    server connections between clients (PgBouncer in any mode, and any transaction
+    pooler by construction: a client's server backend changes between transactions)
+    must hand clients a made-up backend pid and cancel key to route cancel
+    requests; a direct connection reports the backend's own pid."""
+    row = conn.execute("SELECT pg_backend_pid()").fetchone()
+    return row is not None and int(row[0]) == conn.info.backend_pid
+
+
+def prepare_when_direct(dbapi_conn: Any, _record: Any) -> None:
+    # Named statements save the server a parse and plan per lock statement (measured:
+    # 0-16% of a pair's time, docs/operations.md); only where nothing can hand the
+    # name to another client. An explicit prepare_threshold in the engine options wins.
+    if dbapi_conn.prepare_threshold is not None:
+        return
+    prev = dbapi_conn.autocommit
+    dbapi_conn.autocommit = True
+    try:
+        if backend_pid_is_real(dbapi_conn):
+            dbapi_conn.prepare_threshold = PREPARE_THRESHOLD
+    finally:
+        dbapi_conn.autocommit = prev
+
+
+_warned_pooled: set[str] = set()
+
+
+def warn_once(url: URL, message: str) -> None:
+    shown = url.render_as_string(hide_password=True)
+    if (message, shown) not in _warned:
+        _warned.add((message, shown))
+        log.warning(message, shown)
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def warn_pooled_once(engine: Engine) -> None:
+    url = engine.url.render_as_string(hide_password=True)
+    if url not in _warned_pooled:
+        _warned_pooled.add(url)
+        log.warning(
+            "wait= on %s: this URL goes through a connection pooler, where LISTEN cannot "
+            "keep its connection; waiters poll instead (every 0.5 s at most). Set "
+            "taskguard_listen_url (TaskGuard(listen_url=...)) to a direct or "
+            "session-pooled URL of the same database to be woken by releases.",
+            url,
+        )
