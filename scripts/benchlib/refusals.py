@@ -41,7 +41,7 @@ def rows() -> list[Row]:
             "same, unnamed statements (as via a pooler: acquire, then holder read)",
             "taskguard",
         ),
-        r("maria_taskguard", "same on MariaDB (acquire, then holder read)", "taskguard"),
+        r("maria_taskguard", "same on MariaDB (holder in the upsert's RETURNING)", "taskguard"),
     ]
 
 

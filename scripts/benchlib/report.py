@@ -95,6 +95,13 @@ def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
         "pairs/s, taskguard durable=False / celery-once Redis backend",
     )
     add(
+        "refused acquire (a duplicate) <= celery-once's refusal (not a target)",
+        ratio("refusal.taskguard"),
+        1.0,
+        "<=",
+        "time per refusal with the holder reported, taskguard / celery-once raise_or_lock",
+    )
+    add(
         "guarded end-to-end >= celery-once end-to-end (issue 18)",
         rates("e2e.guarded", "e2e.once"),
         1.0,
