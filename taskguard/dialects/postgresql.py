@@ -10,6 +10,9 @@
   with waiters ends early.
 * The reaper walks the heap by ctid (TID range scan, PostgreSQL 14+).
 * Fencing reads the row ``FOR SHARE``: a takeover waits for the caller's commit.
+* A refused acquire returns its holder in the same statement (a data-modifying
+  CTE, :mod:`taskguard.dialects.postgresql_refusal`), except on connections that
+  do not prepare statements (behind a pooler), where the plain acquire is sent.
 """
 
 from __future__ import annotations

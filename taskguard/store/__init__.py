@@ -145,7 +145,7 @@ class Store:
             if limit == 1 and self._sql.acquire_unless is not None:
                 stmt = self._sql.acquire_unless
             elif (marker := self.live_holder(unless)) is not None:
-                return None, self.live_holder(key) or marker
+                return None, (self.live_holder(key) or marker) if limit == 1 else None
         try:
             rows, _ = self.run(stmt, values)
         except (OutcomeUnknown, DatabaseUnavailable) as exc:
