@@ -136,6 +136,13 @@ def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
         ">=",
         "tasks/s, @guarded_task / plain task, in a worker with taskguard_durable=False",
     )
+    add(
+        "same, against celery-once in that worker: neither flushes to disk (not a target)",
+        rates("e2e.guarded_relaxed", "e2e.once_relaxed"),
+        1.0,
+        ">=",
+        "tasks/s, @guarded_task / celery-once QueueOnce, both in the taskguard_durable=False worker",
+    )
     for mode in ("durable", "relaxed"):
         add(
             f"acquire p50 at largest table <= 1.2 x at 1k rows ({mode})",
