@@ -1,13 +1,8 @@
 """taskguard: per-key locks for Celery tasks, kept as rows in your own SQL database."""
 
-from taskguard.celery import (
-    GuardedTask,
-    check_lease,
-    current_lease,
-    guarded_task,
-    is_skipped,
-)
-from taskguard.celery.reaper import reap_expired_locks, schedule_reaper
+import sys
+from typing import TYPE_CHECKING, Any
+
 from taskguard.exceptions import (
     AlreadyLocked,
     ConfigurationError,
@@ -28,6 +23,16 @@ from taskguard.history import LockEvent
 from taskguard.keys import normalize_key, validate_ttl
 from taskguard.lease import Attempt, Holder, Lease, LeaseRequest, LockInfo, Marker
 from taskguard.models import TaskLock, TaskLockEvent, metadata
+
+if TYPE_CHECKING:
+    from taskguard.celery import (
+        GuardedTask,
+        check_lease,
+        current_lease,
+        guarded_task,
+        is_skipped,
+    )
+    from taskguard.celery.reaper import reap_expired_locks, schedule_reaper
 
 __version__ = "0.1.0"
 
@@ -68,3 +73,43 @@ __all__ = [
     "schedule_reaper",
     "validate_ttl",
 ]
+
+# The Celery integration is imported on first use of one of its names (PEP 562):
+# importing it costs more than the whole lock API, which `taskguard locks` and other
+# callers of TaskGuard alone never need. Inside a Celery process (Celery imported
+# first: every worker and beat) it is imported right away, as `imports = ["taskguard"]`
+# expects (the reaper task, the settings route, the worker hooks); a process that
+# imports taskguard before Celery gets it when its first Celery app is finalized.
+_CELERY_NAMES = frozenset(
+    {"GuardedTask", "check_lease", "current_lease", "guarded_task", "is_skipped"}
+)
+_REAPER_NAMES = frozenset({"reap_expired_locks", "schedule_reaper"})
+
+
+def _import_celery_integration(*_: Any) -> None:
+    import taskguard.celery
+    import taskguard.celery.reaper  # noqa: F401  (registers the reaper task and setting)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _CELERY_NAMES and name not in _REAPER_NAMES:
+        raise AttributeError(f"module 'taskguard' has no attribute {name!r}")
+    _import_celery_integration()
+    import taskguard.celery.reaper
+
+    value = getattr(taskguard.celery.reaper if name in _REAPER_NAMES else taskguard.celery, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+# Last: every name above exists before the integration's modules can ask for one.
+if "celery" in sys.modules:
+    _import_celery_integration()
+else:
+    from celery._state import connect_on_app_finalize
+
+    connect_on_app_finalize(_import_celery_integration)

@@ -11,12 +11,8 @@ from __future__ import annotations
 import io
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
 from sqlalchemy import URL, Connection, Engine, create_engine
 
 from taskguard.dialects import dialect_for
@@ -30,6 +26,13 @@ from taskguard.models import (
 )
 from taskguard.store.errors import translate_error
 from taskguard.urls import mask_url, parse_url
+
+if TYPE_CHECKING:
+    from alembic.config import Config
+
+# Alembic is imported by the functions that use it: importing it costs about as
+# much as the rest of the package, and the lock API, the worker's hot path and
+# commands such as `taskguard locks` never need it.
 
 __all__ = [
     "BRANCH_LABEL",
@@ -126,6 +129,8 @@ def alembic_config(url: str | URL | None = None, *, stdout: Any = None) -> Confi
     The URL is passed as an attribute, not through the ini parser, so passwords
     with ``%`` survive.
     """
+    from alembic.config import Config
+
     cfg = Config(stdout=stdout) if stdout is not None else Config()
     cfg.set_main_option("script_location", str(migrations_dir()))
     if url is not None:
@@ -169,16 +174,22 @@ def _run_online(url_or_engine: str | URL | Engine, fn: Any, revision: str) -> No
 
 def upgrade(url_or_engine: str | URL | Engine, revision: str = "heads") -> None:
     """Apply taskguard's migrations up to ``revision`` (idempotent)."""
+    from alembic import command
+
     _run_online(url_or_engine, command.upgrade, revision)
 
 
 def downgrade(url_or_engine: str | URL | Engine, revision: str = "base") -> None:
     """Revert taskguard's migrations down to ``revision`` (``base`` removes everything)."""
+    from alembic import command
+
     _run_online(url_or_engine, command.downgrade, revision)
 
 
 def current(url_or_engine: str | URL | Engine) -> list[str]:
     """Revisions applied to the database (empty if none), from taskguard's own version table."""
+    from alembic.runtime.migration import MigrationContext
+
     engine, owned = _engine(url_or_engine)
     try:
         with engine.connect() as conn:
@@ -195,6 +206,9 @@ def managed_by_application(url_or_engine: str | URL | Engine) -> list[str]:
     """taskguard's revisions recorded in the application's own ``alembic_version``
     (way 2 of docs/alembic.md: taskguard's revisions in the application's history);
     empty when taskguard's schema is not managed there."""
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
     ours = {rev.revision for rev in ScriptDirectory.from_config(alembic_config()).walk_revisions()}
     engine, owned = _engine(url_or_engine)
     try:
@@ -210,6 +224,8 @@ def managed_by_application(url_or_engine: str | URL | Engine) -> list[str]:
 
 def head() -> str:
     """The newest revision shipped with this version of taskguard."""
+    from alembic.script import ScriptDirectory
+
     heads = ScriptDirectory.from_config(alembic_config()).get_heads()
     return heads[0]
 
@@ -217,6 +233,8 @@ def head() -> str:
 def sql(url: str | URL, revision: str = "heads", *, from_revision: str | None = None) -> str:
     """The DDL ``upgrade`` would run, for a DBA to review (Alembic offline mode).
     No connection is made; only the URL's dialect matters."""
+    from alembic import command
+
     buf = io.StringIO()
     cfg = alembic_config(url, stdout=buf)
     cfg.output_buffer = buf
