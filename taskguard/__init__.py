@@ -1,5 +1,6 @@
 """taskguard: per-key locks for Celery tasks, kept as rows in your own SQL database."""
 
+import importlib
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -80,26 +81,30 @@ __all__ = [
 # first: every worker and beat) it is imported right away, as `imports = ["taskguard"]`
 # expects (the reaper task, the settings route, the worker hooks); a process that
 # imports taskguard before Celery gets it when its first Celery app is finalized.
-_CELERY_NAMES = frozenset(
-    {"GuardedTask", "check_lease", "current_lease", "guarded_task", "is_skipped"}
-)
-_REAPER_NAMES = frozenset({"reap_expired_locks", "schedule_reaper"})
+#: Each lazy name and the module it comes from.
+_CELERY_NAMES = {
+    "GuardedTask": "taskguard.celery",
+    "check_lease": "taskguard.celery",
+    "current_lease": "taskguard.celery",
+    "guarded_task": "taskguard.celery",
+    "is_skipped": "taskguard.celery",
+    "reap_expired_locks": "taskguard.celery.reaper",
+    "schedule_reaper": "taskguard.celery.reaper",
+}
 
 
 def _import_celery_integration(*_: Any) -> None:
-    import taskguard.celery
-    import taskguard.celery.reaper  # noqa: F401  (registers the reaper task and setting)
+    """Import the integration (which wires its hooks and the reaper) and bind its
+    names here, so later lookups never reach :func:`__getattr__`."""
+    for name, module in _CELERY_NAMES.items():
+        globals()[name] = getattr(importlib.import_module(module), name)
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _CELERY_NAMES and name not in _REAPER_NAMES:
+    if name not in _CELERY_NAMES:
         raise AttributeError(f"module 'taskguard' has no attribute {name!r}")
     _import_celery_integration()
-    import taskguard.celery.reaper
-
-    value = getattr(taskguard.celery.reaper if name in _REAPER_NAMES else taskguard.celery, name)
-    globals()[name] = value
-    return value
+    return globals()[name]
 
 
 def __dir__() -> list[str]:
