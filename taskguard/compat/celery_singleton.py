@@ -68,12 +68,12 @@ class Backend:
         info = guard.get(lock)
         if info is None or not info.held:
             return
-        running = _running_task_id(lock)
-        if running is not None and info.holder.task_id != running:
+        task = _running_task()
+        if task is not None and info.holder.task_id != task.request.id and _own(task, lock):
             log.warning(
                 "not releasing %r for task %s: its lease ended and the key is now held by %s",
                 info.key,
-                running,
+                task.request.id,
                 info.describe(),
             )
             return
@@ -99,13 +99,16 @@ class Backend:
             log.info("cleared %d celery-singleton lock(s) under %r", ended, key_prefix)
 
 
-def _running_task_id(lock: str) -> str | None:
-    """The id of the task running in this thread if ``lock`` is that task's own key."""
+def _running_task() -> Any:
+    """The task running in this thread, if it has an id (a worker's or an eager run)."""
     from celery import current_task
 
-    generate = getattr(current_task, "generate_lock", None)
-    request = getattr(current_task, "request", None)
-    if generate is None or request is None or request.id is None:
-        return None
-    own = generate(current_task.name, request.args, request.kwargs)
-    return str(request.id) if own == lock else None
+    task = current_task._get_current_object()
+    return task if task is not None and task.request.id is not None else None
+
+
+def _own(task: Any, lock: str) -> bool:
+    """Whether ``lock`` is the running Singleton task's own key."""
+    generate = getattr(task, "generate_lock", None)
+    request = task.request
+    return generate is not None and generate(task.name, request.args, request.kwargs) == lock

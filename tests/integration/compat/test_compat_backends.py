@@ -195,7 +195,7 @@ def test_singleton_tasks_answer_duplicates_with_the_holder_and_release_at_the_en
 ) -> None:
     seen: dict[str, Any] = {}
 
-    @app.task(name="reports.build", base=Singleton, bind=True, shared=False)
+    @app.task(name="reports.build", base=Singleton, bind=True, shared=False, lock_expiry=60)
     def build(self: Any, report: int) -> str:
         lock = self.generate_lock(self.name, [report])
         seen["row"] = _row(self.singleton_backend.guard, lock)
@@ -205,6 +205,7 @@ def test_singleton_tasks_answer_duplicates_with_the_holder_and_release_at_the_en
     first = build.apply_async(args=[7])
     assert first.get() == first.id
     assert seen["row"].holder.task_id == first.id  # the row names the task
+    assert 50 < seen["row"].expires_in.total_seconds() <= 60  # lock_expiry
     assert seen["duplicate"] == first.id
     lock = build.generate_lock(build.name, [7])
     assert build.singleton_backend.get(lock) is None  # released when the task ended
