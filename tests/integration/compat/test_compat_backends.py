@@ -88,6 +88,8 @@ def test_once_one_engine_per_url_per_process(app: Celery, db_url: str) -> None:
     assert configured is guard_for(app)  # no url: the app's taskguard_database_url
     assert OnceBackend({"url": db_url}).guard is configured  # the same URL: the same guard
     assert OnceBackend({"url": db_url}).guard.engine is OnceBackend({}).guard.engine
+    reset_guards()  # changed settings are read again, for a URL given too
+    assert OnceBackend({"url": db_url}).guard is not configured
 
 
 def test_once_timeout_none_is_the_default_timeout_not_forever(app: Celery, db_url: str) -> None:
