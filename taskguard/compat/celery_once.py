@@ -41,7 +41,7 @@ class Backend:
         url = settings.get("url")
         self._app = celery_app()
         self._url = None if url is None else str(url)
-        self._timeout = float(settings.get("default_timeout") or DEFAULT_EXPIRY)
+        self._timeout: float = settings.get("default_timeout") or DEFAULT_EXPIRY
         self._wait: float | None = None
         if settings.get("blocking"):
             wait = settings.get("blocking_timeout", 1)

@@ -80,9 +80,13 @@ class Backend:
         end_lease(guard, info)
 
     def get(self, lock: str) -> str | None:
-        """The task id that holds ``lock`` now, or ``None``."""
+        """The task id that holds ``lock`` now, or ``None``; the lease's owner id if
+        its holder recorded no task id (taken outside celery-singleton): ``Singleton``
+        asks again for as long as this is ``None`` while the lock is held."""
         info = self.guard.get(lock)
-        return info.holder.task_id if info is not None and info.held else None
+        if info is None or not info.held:
+            return None
+        return info.holder.task_id or info.owner
 
     def clear(self, key_prefix: str) -> None:
         """End every live lease whose key starts with ``key_prefix`` (compared as

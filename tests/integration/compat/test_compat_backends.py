@@ -166,6 +166,10 @@ def test_singleton_lock_get_unlock(
     backend.unlock("SINGLETONLOCK_abc")  # not held: nothing to do
     assert backend.lock("SINGLETONLOCK_abc", "task-3", expiry=5) is True
     assert _row(backend.guard, "SINGLETONLOCK_abc").expires_in.total_seconds() <= 5
+    # Held without a task id (taken with the API): get() gives the owner id, never
+    # None, or Singleton.apply_async would ask again forever.
+    lease = backend.guard.acquire("SINGLETONLOCK_api", 60)
+    assert lease is not None and backend.get("SINGLETONLOCK_api") == lease.owner
 
 
 def test_singleton_clear_takes_the_prefix_literally(app: Celery, db_url: str) -> None:
