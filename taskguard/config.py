@@ -91,6 +91,8 @@ if hasattr(os, "register_at_fork"):
 # conf on every task run cost more CPU than the lock statements' own Python work;
 # reset_guards() empties this, so changed settings are read again.
 _by_app: weakref.WeakKeyDictionary[Any, TaskGuard] = weakref.WeakKeyDictionary()
+# The same, per lock database URL named by the caller (guard_for(app, url=...)).
+_by_app_url: weakref.WeakKeyDictionary[Any, dict[str, TaskGuard]] = weakref.WeakKeyDictionary()
 
 
 def setting(app: Any, name: str) -> Any:
@@ -168,12 +170,16 @@ def build_guard(app: Any = None, *, url: str | None = None) -> TaskGuard:
     )
 
 
-def guard_for(app: Any = None) -> TaskGuard:
+def guard_for(app: Any = None, *, url: str | None = None) -> TaskGuard:
     """The process-wide :class:`TaskGuard` for ``app``'s configuration, built by
-    :func:`build_guard` on first use.
+    :func:`build_guard` on first use. ``url``: the same settings on that database
+    instead of the configured one (the compat backends' own URL setting); one guard
+    per configuration and URL, so a URL equal to the configured one shares its guard.
 
     An app's settings are read on its first use in a process; call
     :func:`reset_guards` after changing them."""
+    if url is not None:
+        return _guard_on(app, url)
     if app is not None:
         try:
             return _by_app[app]
@@ -186,15 +192,26 @@ def guard_for(app: Any = None) -> TaskGuard:
     return guard
 
 
-def _resolve(app: Any) -> TaskGuard:
-    key = _guard_settings(app, None).identity()
+def _guard_on(app: Any, url: str) -> TaskGuard:
+    try:
+        return _by_app_url[app][url]
+    except (KeyError, TypeError):  # TypeError: no app, or not weak-referenceable
+        pass
+    guard = _resolve(app, url)
+    with contextlib.suppress(TypeError):
+        _by_app_url.setdefault(app, {})[url] = guard
+    return guard
+
+
+def _resolve(app: Any, url: str | None = None) -> TaskGuard:
+    key = _guard_settings(app, url).identity()
     guard = _guards.get(key)
     if guard is not None:
         return guard
     with _guards_lock:
         guard = _guards.get(key)
         if guard is None:
-            guard = build_guard(app)
+            guard = build_guard(app, url=url)
             _guards[key] = guard
         return guard
 
@@ -203,6 +220,7 @@ def reset_guards() -> None:
     """Dispose every cached guard (tests, or after changing settings)."""
     with _guards_lock:
         _by_app.clear()
+        _by_app_url.clear()
         for guard in _guards.values():
             guard.dispose()
         _guards.clear()
