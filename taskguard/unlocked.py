@@ -153,7 +153,7 @@ def locking_disabled() -> Iterator[NoLockGuard]:
         # guard_for() resolves every app's guard through config._resolve: the one
         # place to swap without a hook in taskguard.config.
         _off_depth.append(config._resolve)
-        config._resolve = lambda app: guard  # type: ignore[assignment,return-value]
+        config._resolve = lambda app, url=None: guard  # type: ignore[assignment,return-value]
         config.reset_guards()
     try:
         yield guard
