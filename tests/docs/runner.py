@@ -96,8 +96,13 @@ class BlockFailed(AssertionError):
 class Page:
     """One reader's session with one page (see the module doc)."""
 
-    def __init__(self, page: Path, spec: PageSpec, scenario: str = "") -> None:
+    def __init__(
+        self, page: Path, spec: PageSpec, scenario: str = "", python: Path | None = None
+    ) -> None:
         self.page = page
+        #: The reader's Python (its bin directory comes first on PATH): this test
+        #: run's own unless a journey passes a fresh virtualenv's.
+        self.python_exe = python or Path(sys.executable)
         self.spec = spec
         self.scenario = scenario
         self.base = Path(tempfile.mkdtemp(prefix="tgdocs-"))
@@ -229,11 +234,14 @@ class Page:
         return ""
 
     def _python_block(self, block: Block) -> str:
-        if self._python is None:
-            read, write = os.pipe()
-            log = (self.base / "python.log").open("wb")
+        # Line numbers in tracebacks are the page's: the source starts below the fence.
+        return self.python(self.map(block.source), block.name.split(":")[0], block.line)
+
+    def _start_python(self) -> None:
+        read, write = os.pipe()
+        with (self.base / "python.log").open("wb") as log:
             self._python = subprocess.Popen(
-                [sys.executable, str(CHILD), str(write)],
+                [str(self.python_exe), str(CHILD), str(write)],
                 cwd=self.dir,
                 env=self.env(),
                 stdin=subprocess.PIPE,
@@ -243,27 +251,33 @@ class Page:
                 text=True,
                 start_new_session=True,
             )
-            log.close()
-            os.close(write)
-            self._replies = os.fdopen(read)
-        assert self._python.stdin is not None and self._replies is not None
-        request = {"source": self.map(block.source), "file": block.name.split(":")[0]}
-        request["line"] = block.line  # the fence's line: the source starts below it
+        os.close(write)
+        self._replies = os.fdopen(read)
+
+    def python(self, source: str, file: str = "<journey>", line: int = 0) -> str:
+        """Run ``source`` in the page's Python session; what it printed."""
+        if self._python is None:
+            self._start_python()
+        assert self._python is not None and self._python.stdin is not None
+        assert self._replies is not None
+        request = {"source": source, "file": file, "line": line}
         self._python.stdin.write(json.dumps(request) + "\n")
         self._python.stdin.flush()
         reply_line = _read_line(self._replies, self.spec.timeout)
         if reply_line is None:
             raise BlockFailed(
-                f"{block.name}: no answer within {self.spec.timeout:.0f} s\n{self._logs()}"
+                f"{file}:{line}: no answer within {self.spec.timeout:.0f} s\n{self._logs()}"
             )
         reply = json.loads(reply_line)
         if not reply["ok"]:
-            raise BlockFailed(f"{block.name} raised:\n{reply['error']}\n{self._logs()}")
+            raise BlockFailed(f"{file}:{line} raised:\n{reply['error']}\n{self._logs()}")
         return str(reply["stdout"])
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
-        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        own = str(Path(sys.executable).parent)
+        path = [p for p in env.get("PATH", "").split(os.pathsep) if p and p != own]
+        env["PATH"] = os.pathsep.join([str(self.python_exe.parent), *path])
         env["CELERY_WORKER_LOGLEVEL"] = "INFO"
         return env
 
