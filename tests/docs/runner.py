@@ -97,7 +97,12 @@ class Page:
     """One reader's session with one page (see the module doc)."""
 
     def __init__(
-        self, page: Path, spec: PageSpec, scenario: str = "", python: Path | None = None
+        self,
+        page: Path,
+        spec: PageSpec,
+        scenario: str = "",
+        python: Path | None = None,
+        directory: Path | None = None,
     ) -> None:
         self.page = page
         #: The reader's Python (its bin directory comes first on PATH): this test
@@ -106,8 +111,9 @@ class Page:
         self.spec = spec
         self.scenario = scenario
         self.base = Path(tempfile.mkdtemp(prefix="tgdocs-"))
-        self.dir = self.base / "project"
-        self.dir.mkdir()
+        #: The reader's directory: a fresh one, or (a journey's) an example's in a checkout.
+        self.dir = directory or self.base / "project"
+        self.dir.mkdir(exist_ok=True)
         self.urls: dict[str, str] = {}  # page URL -> test URL
         self._cleanups: list[Callable[[], None]] = []
         self._background: list[tuple[str, subprocess.Popen[bytes], Path]] = []
@@ -156,10 +162,14 @@ class Page:
             return services.redis_db(service.db)
         raise ValueError(f"unknown service kind {service.kind!r}")
 
-    def close(self) -> None:
+    def stop_background(self) -> None:
+        """Stop what the page started in the background (workers)."""
         for _, proc, _ in reversed(self._background):
             _stop(proc)
         self._background.clear()
+
+    def close(self) -> None:
+        self.stop_background()
         if self._python is not None:
             with contextlib.suppress(Exception):
                 assert self._python.stdin is not None
@@ -311,7 +321,7 @@ class Page:
         log_path = self.base / f"background-{len(self._background)}.log"
         with log_path.open("wb") as log:
             proc = subprocess.Popen(
-                ["bash", "-c", f"exec {command}"],
+                ["bash", "-c", command],
                 cwd=self.dir,
                 env=self.env(),
                 stdout=log,

@@ -4,7 +4,9 @@ The URLs are the ones tests/conftest.py reads (same environment variables, same
 defaults); Redis databases are fixed per user of them so that no two workers
 consuming Celery's default queue ``celery`` can meet:
 
-    10  tests/journey (broker and results)
+     8  tests/journey/test_journey_djangofeeds.py
+     9  tests/journey/test_journey_alembic.py
+    10  tests/journey/test_journey_install.py
     14  the docs' pages (broker), 15 (results)
 
 (0 is the shared suite's, with a queue per test; 11 the benchmarks'; 13 the demo's.)
