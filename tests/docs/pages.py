@@ -61,7 +61,16 @@ def _force_released(page: Page, out: str) -> None:
 
 SHOP = "postgresql+psycopg://app@127.0.0.1:5432/shop"
 
+GUIDE_PG = "postgresql+psycopg://app@db/app"
+
 PAGES: dict[str, PageSpec] = {
+    "docs/guide.md": PageSpec(
+        urls={
+            GUIDE_PG: Service("pg+schema"),
+            "redis://localhost:6379/0": Service("redis", 12),
+            "redis://localhost:6379/1": Service("redis", 12),
+        },
+    ),
     "docs/mariadb.md": PageSpec(urls={"mysql://app:secret@db:3306/app": Service("maria")}),
     "docs/alembic.md": PageSpec(
         urls={SHOP: Service("pg")},
