@@ -111,6 +111,7 @@ def _sybils() -> list[Sybil]:
 pytest_collect_file = _sybil_hook(*_sybils())
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if isinstance(item, SybilItem):
