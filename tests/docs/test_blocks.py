@@ -5,6 +5,7 @@ prints the count per page."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,11 @@ def test_every_block_runs_or_says_why_not(page: Path) -> None:
                 "`<!-- not run: <one-line reason> -->` on the line before its fence"
             )
     for line, reason, fenced in markers(page):
+        for path in re.findall(r"\b(?:tests|scripts|examples)/[\w./-]*\w", reason):
+            if not (REPO / path).exists():
+                problems.append(
+                    f"{_name(page)}:{line}: the reason names {path}, which does not exist"
+                )
         if not fenced:
             problems.append(
                 f"{_name(page)}:{line}: `<!-- not run: {reason} -->` is not followed by a fence"
