@@ -348,6 +348,11 @@ class Page:
                     f"{proc.returncode}:\n{self.unmap(log_path.read_text(errors='replace'))[-4000:]}"
                 )
 
+    def background_command_line(self, index: int = -1) -> str:
+        """The running process's command line (what ``bash -c`` executed)."""
+        pid = self._background[index][1].pid
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
     def background_log(self, index: int = -1) -> str:
         return self.unmap(self._background[index][2].read_text(errors="replace"))
 

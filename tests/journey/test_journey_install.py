@@ -119,6 +119,7 @@ def test_quickstart_runs_in_that_virtualenv(newcomer: tuple[UserVenv, Path]) -> 
             guard.dispose()
         # The worker was the virtualenv's, and it logged the conflict with the holder.
         log = page.background_log()
+        assert page.background_command_line().startswith(str(env.bin))
         assert str(env.path) in page.python("import celery; print(celery.__file__)")
         assert re.search(rf"lock '{re.escape(key)}' is held by", log), log[-3000:]
     finally:
