@@ -5,11 +5,14 @@
 # `name==X`), so raising a minimum there is the whole change: nothing else to keep
 # in step. Test tools (pytest, ...) come at their latest versions; only the runtime
 # dependencies are held down. Tests marked `slow` (minutes of real workers) run in
-# the latest-versions pass of .ci/run only.
+# the latest-versions pass of .ci/run only, and so do the docs' code blocks (`docs`)
+# and the newcomer journeys (`journey`: they install taskguard into fresh
+# virtualenvs at the versions pip picks, so here they would only repeat that pass).
 #
 # Usage: scripts/min_versions.sh [extra pytest args]
 #   MIN_VENV=dir     where to build the venv (default: .venv-min, rebuilt each run)
-#   MIN_PYTEST_ARGS  replaces the default selection (-m "not slow", on 4 processes)
+#   MIN_PYTEST_ARGS  replaces the default selection (-m "not slow and not docs and not
+#                    journey", on 4 processes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -95,7 +98,7 @@ else
     # Deselected here only (it runs in the latest-versions pass): it needs Redis to hand
     # a SIGKILLed worker's message to the next worker within the test, which the lowest
     # kombu does not do in time (the worker app's unacked_restore_interval is newer).
-    python -m pytest -m "not slow" -n 4 --dist loadfile \
+    python -m pytest -m "not slow and not docs and not journey" -n 4 --dist loadfile \
         --deselect tests/integration/celery/test_celery_correctness.py::test_redis_killed_worker_reruns_once \
         "$@"
 fi

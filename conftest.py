@@ -1,0 +1,3 @@
+"""The docs' code blocks as tests: see tests/docs/plugin.py."""
+
+pytest_plugins = ["tests.docs.plugin"]
