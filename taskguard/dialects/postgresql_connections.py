@@ -12,6 +12,7 @@ from typing import Any
 
 from sqlalchemy import URL, Engine
 
+from taskguard.deadline import watchdog
 from taskguard.models import RELEASE_CHANNEL
 
 __all__ = [
@@ -82,7 +83,10 @@ def prepare_when_direct(dbapi_conn: Any, _record: Any) -> None:
     prev = dbapi_conn.autocommit
     dbapi_conn.autocommit = True
     try:
-        if backend_pid_is_real(dbapi_conn):
+        # Part of opening the connection: ends by the caller's deadline like a statement.
+        with watchdog.watch(int(dbapi_conn.pgconn.socket)):
+            direct = backend_pid_is_real(dbapi_conn)
+        if direct:
             dbapi_conn.prepare_threshold = PREPARE_THRESHOLD
     finally:
         dbapi_conn.autocommit = prev
