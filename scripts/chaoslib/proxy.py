@@ -195,7 +195,7 @@ class FaultProxy:
                                 return  # committed; the client never hears about it
                             continue
                         pair.client.sendall(data)
-        except OSError:
+        except (OSError, ValueError):  # ValueError: closed by cut_all() while frozen
             return
         finally:
             pair.close()

@@ -10,6 +10,7 @@ import logging
 import time
 from typing import Any
 
+import psycopg
 from sqlalchemy import URL, Engine
 
 from taskguard.deadline import watchdog
@@ -25,6 +26,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("taskguard")
+
+#: Longest sleep of a waiter whose listener broke (seconds), as when polling.
+POLL = 0.5
 
 
 class ReleaseListener:
@@ -44,13 +48,21 @@ class ReleaseListener:
         self.pooled = not direct
         self._raw = raw
         self._conn = conn
+        self._broken = False
 
     def wait(self, key: str, timeout: float) -> bool:
         end = time.monotonic() + timeout
-        while (left := end - time.monotonic()) > 0:
-            for note in self._conn.notifies(timeout=left, stop_after=1):
-                if note.payload == key:
-                    return True
+        try:
+            while not self._broken and (left := end - time.monotonic()) > 0:
+                for note in self._conn.notifies(timeout=left, stop_after=1):
+                    if note.payload == key:
+                        return True
+        except psycopg.Error as exc:
+            # The waiter's next attempt reports the outage; until the wait ends it polls.
+            log.warning("the release listener's connection broke (%s); polling instead", exc)
+            self._broken = True
+        if self._broken:
+            time.sleep(min(max(end - time.monotonic(), 0.0), POLL))
         return False
 
     def close(self) -> None:

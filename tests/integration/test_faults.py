@@ -266,3 +266,99 @@ def test_guarded_task_runs_once_with_its_lock_after_a_cut(
     info = pg_guard.get("feed:c")
     # The body ran under the lease the database granted, released on the way out.
     assert info is not None and info.owner == ran[0].owner and not info.held
+
+
+# -- issue 28 D: a run that cannot reach the lock database is tried again ------------------
+
+
+@pytest.fixture
+def worker_app(proxied_url: str) -> Iterator[Celery]:
+    """An in-process worker (threads) on an in-memory broker; the lock database is
+    reached through the proxy."""
+    from celery.contrib.testing.worker import start_worker as start_test_worker
+
+    app = Celery("tg_outage", broker="memory://", backend="cache+memory://", set_as_current=False)
+    app.conf.update(taskguard_database_url=proxied_url, taskguard_outage_retry_for=3.0)
+    app.ran = []  # type: ignore[attr-defined]
+
+    @guarded_task(app=app, shared=False, key="out:{k}", ttl=30, name="outage.fetch", bind=True)
+    def fetch(self: Any, k: str, fail_inside: bool = False) -> str:
+        app.ran.append(k)  # type: ignore[attr-defined]
+        if fail_inside:  # the body's own error: never run again for it
+            raise DatabaseUnavailable("the body's own database is down")
+        return "ran"
+
+    with start_test_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        yield app
+    reset_guards()
+
+
+def _deferrals() -> tuple[list[float], Any]:
+    from taskguard.signals import run_deferred
+
+    seen: list[float] = []
+
+    def receiver(sender: Any = None, reason: str = "", countdown: float = 0, **_: Any) -> None:
+        if reason == "outage":
+            seen.append(countdown)
+
+    run_deferred.connect(receiver, weak=False, dispatch_uid="test-outage")
+    return seen, lambda: run_deferred.disconnect(dispatch_uid="test-outage")
+
+
+def test_a_run_delivered_during_an_outage_runs_once_the_database_is_back(
+    worker_app: Celery, proxy: FaultProxy, pg_guard: TaskGuard
+) -> None:
+    """Issue 28 D: deliveries during a database outage ended FAILURE DatabaseUnavailable
+    with no retry. They are published again with a backoff and run, locked, after it."""
+    seen, disconnect = _deferrals()
+    proxy.refuse = True
+    proxy.cut_all()
+    try:
+        result = worker_app.tasks["outage.fetch"].apply_async(("a",))
+        deadline = time.monotonic() + 10
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert seen, "the run was not deferred"
+        assert worker_app.ran == []  # type: ignore[attr-defined]
+        time.sleep(0.5)
+        proxy.refuse = False
+        assert result.get(timeout=20) == "ran"
+    finally:
+        disconnect()
+    assert worker_app.ran == ["a"]  # type: ignore[attr-defined]
+    info = pg_guard.get("out:a")
+    assert info is not None and not info.held  # it ran under its lease, released after
+
+
+def test_an_outage_longer_than_the_bound_fails_visibly(
+    worker_app: Celery, proxy: FaultProxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    seen, disconnect = _deferrals()
+    proxy.refuse = True
+    proxy.cut_all()
+    t0 = time.monotonic()
+    try:
+        result = worker_app.tasks["outage.fetch"].apply_async(("b",))
+        with pytest.raises(DatabaseUnavailable):
+            result.get(timeout=30)
+    finally:
+        disconnect()
+    took = time.monotonic() - t0
+    assert 3.0 <= took < 3.0 + 10, took  # taskguard_outage_retry_for = 3
+    assert len(seen) >= 2 and all(c <= 3.0 for c in seen), seen
+    assert worker_app.ran == []  # type: ignore[attr-defined]
+    assert "giving up on outage.fetch" in caplog.text
+
+
+def test_a_body_that_started_is_not_run_again_for_an_outage(
+    worker_app: Celery, proxy: FaultProxy
+) -> None:
+    seen, disconnect = _deferrals()
+    try:
+        result = worker_app.tasks["outage.fetch"].apply_async(("c",), {"fail_inside": True})
+        with pytest.raises(DatabaseUnavailable, match="the body's own"):
+            result.get(timeout=20)
+    finally:
+        disconnect()
+    assert worker_app.ran == ["c"] and seen == []  # type: ignore[attr-defined]
