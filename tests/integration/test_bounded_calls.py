@@ -333,3 +333,23 @@ def test_opening_a_connection_ends_by_the_call_timeout(pg_url: str) -> None:
             assert guard.acquire("unanswered", 30) is not None
         finally:
             guard.dispose()
+
+
+def test_opening_a_mariadb_connection_ends_by_the_call_timeout(maria_url: str) -> None:
+    """The same through mysqlclient, whose connect_timeout is whole seconds."""
+    port = make_url(maria_url).port or 3306
+    with FaultProxy(port) as proxy:
+        proxy.freeze()
+        guard = TaskGuard(make_url(maria_url).set(port=proxy.port), call_timeout=0.5)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(DatabaseUnavailable) as info:
+                guard.acquire("unanswered", 30)
+            took = time.monotonic() - t0
+            assert not info.value.statement_sent
+            assert took < 0.5 + SLACK, took
+            proxy.thaw()
+            with call_limit(5.0):
+                assert guard.acquire("unanswered", 30) is not None
+        finally:
+            guard.dispose()

@@ -302,7 +302,8 @@ def test_fault_matrix(matrix: Matrix) -> None:
         "failed",
         "unfinished",
     )
-    print("| fault | phase | " + " | ".join(cols) + " |")
+    print("| fault | phase | " + " | ".join(c.replace("_", " ") for c in cols) + " |")
+    print("|---|---|" + "---:|" * len(cols))
     for case in table:
         row = " | ".join(str(case.counts.get(c, 0)) for c in cols)
         print(f"| {case.fault} | {case.mode} | {row} |")
