@@ -191,10 +191,12 @@ def _inject(m: Matrix, fault: str, cases: dict[str, Case]) -> None:
         time.sleep(0.5)
         # Work delivered while the database is down (issue 28 D): a lock="run" submission
         # is published (no database at enqueue) and must run once the database is back;
-        # a queue phase cannot take its lock, so apply_async fails at once, visibly.
+        # a queue phase or a pending place cannot be taken, so apply_async fails at once,
+        # visibly, and publishes nothing.
         cases["run"].results.append(m.app.tasks["fm.run"].apply_async((cases["run"].k, 9)))
-        with pytest.raises(DatabaseUnavailable):
-            m.app.tasks["fm.queue_and_run"].apply_async((cases["queue_and_run"].k, 9))
+        for mode in ("queue_and_run", "coalesce", "debounce"):
+            with pytest.raises(DatabaseUnavailable):
+                m.app.tasks[f"fm.{mode}"].apply_async((cases[mode].k, 9))
         time.sleep(HOLD - 0.5)
         m.cluster.start()
     elif fault == "db_frozen":
