@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ if str(SCRIPTS) not in sys.path:
 
 from chaoslib.faults import MODES, OPS, fault_round  # noqa: E402
 from chaoslib.proxy import FaultProxy  # noqa: E402
+from conftest import drop_pg_database, new_pg_database  # noqa: E402
 
 from taskguard import (  # noqa: E402
     DatabaseUnavailable,
@@ -271,26 +273,50 @@ def test_guarded_task_runs_once_with_its_lock_after_a_cut(
 # -- issue 28 D: a run that cannot reach the lock database is tried again ------------------
 
 
-@pytest.fixture
-def worker_app(proxied_url: str) -> Iterator[Celery]:
-    """An in-process worker (threads) on an in-memory broker; the lock database is
-    reached through the proxy."""
+@dataclass
+class OutageEnv:
+    app: Celery
+    proxy: FaultProxy
+    guard: TaskGuard  # direct
+
+
+@pytest.fixture(scope="module")
+def outage_env(pg_template: str) -> Iterator[OutageEnv]:
+    """An in-process worker (threads) on an in-memory broker, shared by the module's
+    outage tests; the lock database is reached through the proxy."""
     from celery.contrib.testing.worker import start_worker as start_test_worker
 
+    url = new_pg_database(pg_template)
+    port = make_url(url).port or 5432
     app = Celery("tg_outage", broker="memory://", backend="cache+memory://", set_as_current=False)
-    app.conf.update(taskguard_database_url=proxied_url, taskguard_outage_retry_for=3.0)
-    app.ran = []  # type: ignore[attr-defined]
+    try:
+        with FaultProxy(port) as proxy:
+            proxied = make_url(url).set(port=proxy.port).render_as_string(hide_password=False)
+            app.conf.update(taskguard_database_url=proxied, taskguard_outage_retry_for=3.0)
+            app.ran = []  # type: ignore[attr-defined]
 
-    @guarded_task(app=app, shared=False, key="out:{k}", ttl=30, name="outage.fetch", bind=True)
-    def fetch(self: Any, k: str, fail_inside: bool = False) -> str:
-        app.ran.append(k)  # type: ignore[attr-defined]
-        if fail_inside:  # the body's own error: never run again for it
-            raise DatabaseUnavailable("the body's own database is down")
-        return "ran"
+            @guarded_task(app=app, shared=False, key="out:{k}", ttl=30, name="outage.fetch")
+            def fetch(k: str, fail_inside: bool = False) -> str:
+                app.ran.append(k)  # type: ignore[attr-defined]
+                if fail_inside:  # the body's own error: never run again for it
+                    raise DatabaseUnavailable("the body's own database is down")
+                return "ran"
 
-    with start_test_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
-        yield app
-    reset_guards()
+            guard = TaskGuard(url)
+            with start_test_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+                yield OutageEnv(app, proxy, guard)
+            guard.dispose()
+    finally:
+        reset_guards()
+        drop_pg_database(url)
+
+
+@pytest.fixture
+def worker_app(outage_env: OutageEnv) -> Iterator[Celery]:
+    outage_env.app.ran.clear()  # type: ignore[attr-defined]
+    outage_env.proxy.refuse = False
+    yield outage_env.app
+    outage_env.proxy.refuse = False
 
 
 def _deferrals() -> tuple[list[float], Any]:
@@ -307,10 +333,11 @@ def _deferrals() -> tuple[list[float], Any]:
 
 
 def test_a_run_delivered_during_an_outage_runs_once_the_database_is_back(
-    worker_app: Celery, proxy: FaultProxy, pg_guard: TaskGuard
+    worker_app: Celery, outage_env: OutageEnv
 ) -> None:
     """Issue 28 D: deliveries during a database outage ended FAILURE DatabaseUnavailable
     with no retry. They are published again with a backoff and run, locked, after it."""
+    proxy = outage_env.proxy
     seen, disconnect = _deferrals()
     proxy.refuse = True
     proxy.cut_all()
@@ -327,13 +354,14 @@ def test_a_run_delivered_during_an_outage_runs_once_the_database_is_back(
     finally:
         disconnect()
     assert worker_app.ran == ["a"]  # type: ignore[attr-defined]
-    info = pg_guard.get("out:a")
+    info = outage_env.guard.get("out:a")
     assert info is not None and not info.held  # it ran under its lease, released after
 
 
 def test_an_outage_longer_than_the_bound_fails_visibly(
-    worker_app: Celery, proxy: FaultProxy, caplog: pytest.LogCaptureFixture
+    worker_app: Celery, outage_env: OutageEnv, caplog: pytest.LogCaptureFixture
 ) -> None:
+    proxy = outage_env.proxy
     seen, disconnect = _deferrals()
     proxy.refuse = True
     proxy.cut_all()
@@ -351,9 +379,7 @@ def test_an_outage_longer_than_the_bound_fails_visibly(
     assert "giving up on outage.fetch" in caplog.text
 
 
-def test_a_body_that_started_is_not_run_again_for_an_outage(
-    worker_app: Celery, proxy: FaultProxy
-) -> None:
+def test_a_body_that_started_is_not_run_again_for_an_outage(worker_app: Celery) -> None:
     seen, disconnect = _deferrals()
     try:
         result = worker_app.tasks["outage.fetch"].apply_async(("c",), {"fail_inside": True})
