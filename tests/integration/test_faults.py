@@ -294,10 +294,12 @@ def outage_env(pg_template: str) -> Iterator[OutageEnv]:
             proxied = make_url(url).set(port=proxy.port).render_as_string(hide_password=False)
             app.conf.update(taskguard_database_url=proxied, taskguard_outage_retry_for=3.0)
             app.ran = []  # type: ignore[attr-defined]
+            app.tokens = []  # type: ignore[attr-defined]
 
             @guarded_task(app=app, shared=False, key="out:{k}", ttl=30, name="outage.fetch")
             def fetch(k: str, fail_inside: bool = False) -> str:
                 app.ran.append(k)  # type: ignore[attr-defined]
+                app.tokens.append(current_lease().token)  # type: ignore[attr-defined, union-attr]
                 if fail_inside:  # the body's own error: never run again for it
                     raise DatabaseUnavailable("the body's own database is down")
                 return "ran"
@@ -314,6 +316,7 @@ def outage_env(pg_template: str) -> Iterator[OutageEnv]:
 @pytest.fixture
 def worker_app(outage_env: OutageEnv) -> Iterator[Celery]:
     outage_env.app.ran.clear()  # type: ignore[attr-defined]
+    outage_env.app.tokens.clear()  # type: ignore[attr-defined]
     outage_env.proxy.refuse = False
     yield outage_env.app
     outage_env.proxy.refuse = False
@@ -388,3 +391,25 @@ def test_a_body_that_started_is_not_run_again_for_an_outage(worker_app: Celery) 
     finally:
         disconnect()
     assert worker_app.ran == ["c"] and seen == []  # type: ignore[attr-defined]
+
+
+def test_a_deferred_run_adopts_the_lease_its_unknown_acquire_took(
+    worker_app: Celery, outage_env: OutageEnv
+) -> None:
+    """The acquire committed but its answer was lost and could not be read back
+    (OutcomeUnknown): the deferred copy adopts that lease (same token) instead of
+    finding the key held by its own task id until the ttl (30 s) runs out."""
+    proxy = outage_env.proxy
+    proxy.arm("partition", b"out:u")
+    result = worker_app.tasks["outage.fetch"].apply_async(("u",))
+    deadline = time.monotonic() + 10
+    while proxy.fired["partition"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.3)
+    orphan = outage_env.guard.get("out:u")
+    assert orphan is not None and orphan.held, "the cut acquire did not commit"
+    proxy.refuse = False
+    t0 = time.monotonic()
+    assert result.get(timeout=20) == "ran"
+    assert time.monotonic() - t0 < 10  # not after the orphan's 30 s ttl
+    assert worker_app.tokens == [orphan.token]  # type: ignore[attr-defined]
