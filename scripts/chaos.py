@@ -9,8 +9,8 @@ server on 5432 is only used by the pytest phases, never stopped or signalled),
 drives 8 worker processes that log every grant/renewal/release/fenced write with
 database timestamps, injects faults (reaper in a tight loop, crash-restarts,
 SIGSTOP/SIGCONT, SIGKILL, connection cuts around COMMIT, bad input, failover to a
-synchronous standby with an asynchronous negative control) and checks
-the histories. Prints the figures (docs/reliability.md quotes them) and writes
+synchronous standby with an asynchronous negative control, a renewing holder cut off
+by a network partition or a frozen database) and checks the histories. Prints the figures (docs/reliability.md quotes them) and writes
 them as JSON with ``--out``. Exit status 1 if any invariant was violated.
 """
 
@@ -46,6 +46,7 @@ FULL = {
     "maria_crash_grants": 8_000,
     "failovers": 6,
     "failover_seconds": 4.0,
+    "cut_off_rounds": 10,
 }
 QUICK = {
     "grants": 4_000,
@@ -61,6 +62,7 @@ QUICK = {
     "maria_crash_grants": 1_000,
     "failovers": 1,
     "failover_seconds": 2.0,
+    "cut_off_rounds": 2,
 }
 
 
@@ -161,6 +163,16 @@ def main() -> int:
                 "negative_controls",
                 phases.negative_controls,
                 dict(cluster=cluster, grants=size["control_grants"]),
+            ),
+            (
+                "11_partition",
+                phases.cut_off,
+                dict(cluster=cluster, mode="partition", rounds=size["cut_off_rounds"]),
+            ),
+            (
+                "12_frozen_database",
+                phases.cut_off,
+                dict(cluster=cluster, mode="frozen", rounds=size["cut_off_rounds"]),
             ),
             (
                 "10_failover",

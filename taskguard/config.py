@@ -62,6 +62,10 @@ DEFAULTS: dict[str, Any] = {
     #: it prefetched, many per statement (taskguard.celery.prefetched). False: each
     #: pool process acquires when it starts the run.
     "taskguard_prefetch_grants": True,
+    #: Seconds a guarded run that cannot reach the lock database before its body starts
+    #: keeps being published again with a backoff (1 s doubling to 30 s, outside
+    #: max_retries), counted from its first failure; then it fails. 0: fail at once.
+    "taskguard_outage_retry_for": 300.0,
     # -- production PostgreSQL: poolers, standbys, time limits (docs/operations.md) --
     #: Seconds one lease operation may take (client-side; the connection is shut down,
     #: never the statement cancelled); then OutcomeUnknown / DatabaseUnavailable.

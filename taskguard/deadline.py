@@ -11,7 +11,9 @@ database as unavailable - it never reports a success it has not seen.
 
 :func:`call_limit` narrows the deadline for everything run inside it on this
 thread (or asyncio task): the renewer uses it to give up on a renewal before the
-lease would expire by the local clock.
+lease would expire by the local clock. Opening a connection has no socket to shut
+down yet: :func:`within` runs it on a helper thread that the caller stops waiting
+for at the deadline.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast
 
 __all__ = [
     "DEFAULT_CALL_TIMEOUT",
@@ -37,6 +39,7 @@ __all__ = [
     "pop_limit",
     "push_limit",
     "watchdog",
+    "within",
 ]
 
 #: Seconds any one statement may take when no tighter limit is in force (a backstop
@@ -222,3 +225,56 @@ watchdog = _Watchdog()
 if hasattr(os, "register_at_fork"):
     # The thread does not survive a fork and its lock may have been held.
     os.register_at_fork(after_in_child=watchdog.reset)
+
+
+_T = TypeVar("_T")
+
+
+class _Helper(Generic[_T]):
+    """One call on a helper thread; a result that comes after its caller stopped
+    waiting is handed to ``discard``."""
+
+    def __init__(self, work: Callable[[], _T], discard: Callable[[_T], None]) -> None:
+        self._work = work
+        self._discard = discard
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._result: _T | None = None
+        self._error: BaseException | None = None
+        self._abandoned = False
+
+    def run(self) -> None:
+        try:
+            result = self._work()
+        except BaseException as exc:  # raised in the waiting caller
+            self._error = exc
+        else:
+            with self._lock:
+                late = self._abandoned
+                if not late:
+                    self._result = result
+            if late:
+                self._discard(result)
+        finally:
+            self._done.set()
+
+    def wait(self, seconds: float) -> _T | None:
+        if not self._done.wait(seconds):
+            with self._lock:
+                if self._result is None:
+                    self._abandoned = True
+                    return None
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+def within(work: Callable[[], _T], seconds: float, discard: Callable[[_T], None]) -> _T | None:
+    """``work()`` run on a helper thread, waited for at most ``seconds``: its result
+    (its error is raised here), or ``None`` if it did not end in time; a result that
+    comes later goes to ``discard``. For blocking calls with no socket to watch
+    (opening a connection): the caller's deadline holds, the call itself ends on its
+    own (give it a timeout of its own, so abandoned threads do not pile up)."""
+    helper = _Helper(work, discard)
+    threading.Thread(target=helper.run, name="taskguard-helper", daemon=True).start()
+    return helper.wait(seconds)

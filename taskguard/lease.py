@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
@@ -30,6 +30,10 @@ class Lease:
     ``expires_at`` is the database's idea of expiry and moves on renewal.
     ``min_hold`` (seconds, 0 if none) is the throttle window: the key stays taken
     until at least ``acquired_at + min_hold``, even after release.
+    ``confirmed_at`` is this host's ``time.monotonic()`` when the statement that
+    granted or last renewed the lease was *sent*: the database started its ttl no
+    earlier, so by the local clock the lease holds at least until ``confirmed_at +
+    ttl`` (``None``: not known here, e.g. a lease rebuilt from a message).
     """
 
     key: str
@@ -40,6 +44,7 @@ class Lease:
     ttl: float
     slot: int = 0
     min_hold: float = 0.0
+    confirmed_at: float | None = field(default=None, compare=False, repr=False)
 
     def fence(self, session: Any) -> int:
         """Prove, inside ``session``'s current transaction, that this lease is still

@@ -20,7 +20,8 @@ Metrics (label ``task`` is the Celery task name, ``none`` outside Celery):
 * ``taskguard_lock_hold_seconds{task}``: histogram of how long leases were held
 * ``taskguard_runs_deferred_total{task, reason}``: starts put off without a worker
   slot (reason ``rate``: over ``rate=``; ``coalesce``: a pending run re-checking a
-  busy key)
+  busy key; ``outage``: the lock database could not be reached before the body
+  started, see ``taskguard_outage_retry_for``)
 * ``taskguard_runs_coalesced_total{task, replaced}``: submissions merged into the
   key's pending run (``replaced="true"``: a pending run replaced by a newer one)
 
@@ -126,7 +127,7 @@ class TaskGuardMetrics:
         )
         self.deferred = prom.Counter(
             "runs_deferred",
-            "Starts put off without holding a worker slot (rate, coalesce).",
+            "Starts put off without holding a worker slot (rate, coalesce, outage).",
             ["task", "reason"],
             **common,
         )

@@ -44,7 +44,8 @@ locks_reaped = Signal(name="taskguard.locks_reaped")
 late_copy_dropped = Signal(name="taskguard.late_copy_dropped")
 #: A start was put off without taking a worker slot: published again with a countdown.
 #: kwargs: ``key``, ``task_id``, ``reason`` ("rate": over ``rate=``; "coalesce": the
-#: pending run of ``on_conflict="coalesce"`` waits for the running one), ``countdown``.
+#: pending run of ``on_conflict="coalesce"`` waits for the running one; "outage": the
+#: lock database could not be reached before the body started), ``countdown``.
 run_deferred = Signal(name="taskguard.run_deferred")
 #: A submission of an ``on_conflict="coalesce"`` task was merged into the key's
 #: pending run instead of being published. kwargs: ``key``, ``task_id`` (the merged

@@ -12,6 +12,7 @@ import contextlib
 import os
 import pwd
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -45,6 +46,9 @@ class ThrowawayCluster(PrivateServer):
     ``settings`` are extra ``-c name=value`` server options (e.g. a long
     ``wal_writer_delay`` for the relaxed-durability negative control).
     """
+
+    #: Whether :meth:`freeze` stopped it (and :meth:`thaw` has not resumed it).
+    frozen = False
 
     def __init__(self, settings: dict[str, str] | None = None) -> None:
         self.settings = {
@@ -140,6 +144,32 @@ class ThrowawayCluster(PrivateServer):
         self.start()
         return time.monotonic() - t0
 
+    def _postmaster(self) -> int:
+        return int((self.data / "postmaster.pid").read_text().split()[0])
+
+    @staticmethod
+    def _children(pid: int) -> list[int]:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+    def freeze(self) -> None:
+        """SIGSTOP every server process: connections stay open and new ones are
+        accepted by the kernel, but nothing answers (a hung host)."""
+        self.frozen = True
+        pid = self._postmaster()
+        os.kill(pid, signal.SIGSTOP)  # first: it forks no one meanwhile
+        for child in self._children(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """SIGCONT what :meth:`freeze` stopped (it then answers what waited)."""
+        pid = self._postmaster()
+        for child in self._children(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGCONT)
+        os.kill(pid, signal.SIGCONT)
+        self.frozen = False
+
     def stop(self) -> None:
         if self.running:
             self._run([str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "stop"])
@@ -147,6 +177,9 @@ class ThrowawayCluster(PrivateServer):
 
     def destroy(self) -> None:
         """Stop (immediately) and delete the cluster's directory."""
+        if self.frozen:
+            with contextlib.suppress(Exception):
+                self.thaw()
         if self.running:
             with contextlib.suppress(Exception):
                 self._run(

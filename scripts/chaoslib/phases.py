@@ -22,6 +22,7 @@ from chaoslib.durability import durability_round
 from chaoslib.failover import failover_round
 from chaoslib.faults import MODES, OPS, fault_round
 from chaoslib.holders import killed_holder_round, paused_holder_round
+from chaoslib.lease_clock import cut_off_round, summarize
 from chaoslib.proxy import FaultProxy
 from chaoslib.resource import Resource
 from chaoslib.scenarios import contention
@@ -207,6 +208,25 @@ def faults(cluster: ThrowawayCluster, *, rounds: int) -> Figures:
         proxied.dispose()
         direct.dispose()
     return dict(out)
+
+
+def cut_off(cluster: ThrowawayCluster, *, mode: str, rounds: int) -> Figures:
+    """A renewing holder cut off from the database (``partition``: a proxy between
+    them stops; ``frozen``: the database is SIGSTOPped), rounds alternating between
+    open connections that hang and connections reset so that renewals must connect
+    anew. Figure: the longest time two holders both believed they held the key
+    (target 0 s: the old holder declares the loss before the new grant), and the
+    margin per round; no stale fenced write may commit."""
+    name = f"cut_{mode}"
+    _fresh(cluster, name)
+    keys = [f"{mode}{i}" for i in range(rounds)]
+    res = Resource(cluster.url(name))
+    res.setup(keys)
+    res.dispose()
+    out = [
+        cut_off_round(cluster, name, key, mode=mode, reset=i % 2 == 1) for i, key in enumerate(keys)
+    ]
+    return summarize(out)
 
 
 def failover(*, rounds: int, seconds: float) -> Figures:

@@ -10,6 +10,11 @@ and then the connection is closed without the client seeing the reply.
 ``refuse = True`` drops every new connection (the server looks gone), so a
 client cannot read back the outcome of a cut statement.
 
+``freeze()`` is a silent partition: nothing is forwarded either way and new
+connections wait unanswered in the listen backlog (the client's connect succeeds,
+its start-up gets no reply), as when packets to a host are dropped; ``thaw()``
+delivers what waited, late, like TCP retransmissions after the partition heals.
+
 Only connections past start-up are eligible, so a cut always hits a statement,
 never a login. Each arming fires once; ``fired`` counts cuts per mode.
 """
@@ -20,10 +25,13 @@ import contextlib
 import select
 import socket
 import threading
+import time
 from collections import Counter
 
 # PostgreSQL ReadyForQuery: 'Z', int32 length 5, status byte.
 _READY = b"Z\x00\x00\x00\x05"
+#: How often (seconds) the threads look at the flags.
+_TICK = 0.05
 
 
 class _Pair:
@@ -56,6 +64,8 @@ class FaultProxy:
         self._closed = False
         #: While True, new connections are accepted and dropped at once (server "gone").
         self.refuse = False
+        #: While True, nothing moves (see :meth:`freeze`).
+        self.frozen = False
         self.fired: Counter[str] = Counter()
         self._accept_thread = threading.Thread(target=self._accept, daemon=True)
         self._accept_thread.start()
@@ -78,6 +88,14 @@ class FaultProxy:
     def disarm(self) -> None:
         with self._lock:
             self._armed.clear()
+
+    def freeze(self) -> None:
+        """Stop forwarding and accepting (a partition that drops packets silently)."""
+        self.frozen = True
+
+    def thaw(self) -> None:
+        """Forward and accept again; what waited is delivered now."""
+        self.frozen = False
 
     def cut_all(self) -> int:
         """Drop every open connection at once (a network partition)."""
@@ -103,11 +121,18 @@ class FaultProxy:
     # -- plumbing --------------------------------------------------------------------
 
     def _accept(self) -> None:
+        self._listener.settimeout(_TICK)
         while not self._closed:
+            if self.frozen:  # connections wait in the kernel's backlog, unanswered
+                time.sleep(_TICK)
+                continue
             try:
                 client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
             except OSError:
                 return
+            client.settimeout(None)
             if self.refuse:
                 client.close()
                 self.fired["refused"] += 1
@@ -136,10 +161,15 @@ class FaultProxy:
 
     def _pump(self, pair: _Pair) -> None:
         try:
-            while True:
-                readable, _, _ = select.select([pair.client, pair.server], [], [], 1.0)
+            while not self._closed:
+                if self.frozen:
+                    time.sleep(_TICK)
+                    continue
+                readable, _, _ = select.select([pair.client, pair.server], [], [], _TICK)
                 if self._closed:
                     return
+                if self.frozen:
+                    continue
                 for sock in readable:
                     data = sock.recv(65536)
                     if not data:
@@ -165,7 +195,7 @@ class FaultProxy:
                                 return  # committed; the client never hears about it
                             continue
                         pair.client.sendall(data)
-        except OSError:
+        except (OSError, ValueError):  # ValueError: closed by cut_all() while frozen
             return
         finally:
             pair.close()

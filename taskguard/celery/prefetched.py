@@ -252,7 +252,9 @@ def adopt(guard: TaskGuard, granted: dict[str, Any]) -> Lease | None:
     it was lost meanwhile (the caller then acquires)."""
     try:
         lease = Lease.from_dict(granted)
-        waited = time.monotonic() - float(granted["at"])
+        # This host's monotonic clock, as the main process read it when it sent the grant.
+        lease.confirmed_at = float(granted["at"])
+        waited = time.monotonic() - lease.confirmed_at
     except (KeyError, TypeError, ValueError) as exc:
         log.warning("ignoring a malformed granted lease in a message: %s", exc)
         return None

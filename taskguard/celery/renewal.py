@@ -1,4 +1,5 @@
-"""Keeping a running task's lease alive, and telling the task when it is lost.
+"""Keeping a running task's lease alive, and telling the task when it is lost
+(the run and the body's checks: :mod:`taskguard.celery.holding`).
 
 While a guarded body runs, its lease is renewed every ttl/3 by one daemon thread
 the process shares among all its runs. A heartbeat holds the guard, the lease and
@@ -8,18 +9,20 @@ the lease is released, so no renewal outlives the run. The thread itself exits
 once it has had nothing to renew for a couple of seconds.
 
 A renewal that returns ``False`` means the row was taken over, force-released or
-had expired: the lease is *lost*. A renewal that cannot reach the database is
-retried until the lease would have expired by the local clock, then the lease is
-lost too. Losing a lease is logged, sent as :data:`taskguard.signals.lease_lost`
-and visible to the body through :func:`current_lease` / :func:`check_lease`.
+had expired: the lease is *lost*. The lease also runs out on this host's clock, at
+``last confirmed renewal + ttl - margin`` (:func:`~taskguard.celery.holding.valid_until`):
+every call the renewer makes, connecting included, is cut at that moment, so it
+declares the loss then at the latest: logged, sent as
+:data:`taskguard.signals.lease_lost`, and raised in the body with
+``stop_on_lease_loss``.
 """
 
 from __future__ import annotations
 
-import contextvars
 import heapq
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -27,13 +30,28 @@ import weakref
 from typing import Any
 
 from taskguard import signals
-from taskguard.celery.interrupt import Interrupter
+from taskguard.celery.holding import (
+    RAN_OUT,
+    ActiveRun,
+    active_run,
+    check_lease,
+    current_lease,
+    enter_run,
+    exit_run,
+    valid_until,
+)
 from taskguard.deadline import call_limit
-from taskguard.exceptions import LeaseLost, TaskGuardError
-from taskguard.guard import TaskGuard
-from taskguard.lease import Lease
+from taskguard.exceptions import LeaseLost
 
-__all__ = ["ActiveRun", "Heartbeat", "check_lease", "current_lease"]
+__all__ = [
+    "ActiveRun",
+    "Heartbeat",
+    "active_run",
+    "check_lease",
+    "current_lease",
+    "enter_run",
+    "exit_run",
+]
 
 log = logging.getLogger("taskguard.celery")
 
@@ -45,98 +63,11 @@ JOIN_TIMEOUT = 5.0
 IDLE_EXIT = 2.0
 
 
-class ActiveRun:
-    """The lease (if any) of the guarded run executing in this context."""
-
-    __slots__ = (
-        "__weakref__",
-        "guard",
-        "handed_over",
-        "interrupter",
-        "key",
-        "lease",
-        "lost",
-        "request",
-        "started",
-    )
-
-    def __init__(
-        self,
-        guard: TaskGuard,
-        key: str,
-        lease: Lease | None,
-        request: Any,
-    ) -> None:
-        self.guard = guard
-        self.key = key
-        self.lease = lease
-        #: The Celery request this run serves (identity tells nested runs apart).
-        self.request = request
-        self.lost: LeaseLost | None = None
-        #: Set once a retry message carries the lease on: the run must not release it.
-        self.handed_over = False
-        self.started = time.monotonic()
-        #: Raises the loss inside the body (stop_on_lease_loss); None: it only records it.
-        self.interrupter: Interrupter | None = None
-
-
-_current: contextvars.ContextVar[ActiveRun | None] = contextvars.ContextVar(
-    "taskguard_active_run", default=None
-)
-
-
-def active_run() -> ActiveRun | None:
-    """The guarded run executing in this thread/context, if any."""
-    return _current.get()
-
-
-def enter_run(run: ActiveRun) -> contextvars.Token[ActiveRun | None]:
-    return _current.set(run)
-
-
-def exit_run(token: contextvars.Token[ActiveRun | None]) -> None:
-    _current.reset(token)
-
-
-def current_lease(*, check: bool = True) -> Lease | None:
-    """The lease held by the guarded task running here, or ``None`` (outside a
-    guarded run, or in a ``lock="queue"`` run, which holds nothing while it runs).
-
-    With ``check`` (the default) raises :class:`~taskguard.LeaseLost` if renewing
-    the lease failed; ``check=False`` returns it anyway (e.g. to log its token).
-    """
-    run = _current.get()
-    if run is None or run.lease is None:
-        return None
-    if check and run.lost is not None:
-        raise run.lost
-    return run.lease
-
-
-def check_lease(*, verify: bool = False) -> Lease:
-    """Raise :class:`~taskguard.LeaseLost` unless this run still holds its lease.
-
-    Without ``verify`` this only consults the renewer (no round trip); with it, the
-    database is asked too. Call it before side effects that must not happen twice.
-    Raises :class:`~taskguard.TaskGuardError` outside a run that holds a lease.
-    """
-    run = _current.get()
-    if run is None or run.lease is None:
-        raise TaskGuardError("check_lease() called outside a guarded run that holds a lease")
-    if run.lost is not None:
-        raise run.lost
-    if verify and not run.guard.is_held_by(run.lease):
-        run.lost = LeaseLost(run.key, run.lease.owner, "no longer held (found on verify)")
-        raise run.lost
-    return run.lease
-
-
 class Heartbeat:
     """Renews ``run.lease`` every ttl/3 until :meth:`stop`, on the process's
     shared renewer thread (see :class:`_Renewer`)."""
 
     __slots__ = (
-        "_deadline",
         "_guard",
         "_in_flight",
         "_interval",
@@ -145,6 +76,7 @@ class Heartbeat:
         "_stopped",
         "_task_id",
         "_task_ref",
+        "valid_until",
     )
 
     def __init__(self, run: ActiveRun, task: Any, task_id: str | None) -> None:
@@ -155,8 +87,9 @@ class Heartbeat:
         self._task_ref = weakref.ref(task) if task is not None else None
         self._task_id = task_id
         self._interval = max(run.lease.ttl / 3.0, MIN_INTERVAL)
-        # Local estimate of the lease's end; only used while the database is unreachable.
-        self._deadline = time.monotonic() + run.lease.ttl
+        #: When the lease counts as lost unless renewed (the run's, kept here too so
+        #: the renewer never reads it through a dead weak reference).
+        self.valid_until = run.valid_until
         #: Both guarded by the renewer's condition.
         self._stopped = False
         self._in_flight = False
@@ -175,51 +108,62 @@ class Heartbeat:
                 JOIN_TIMEOUT,
             )
 
-    def beat(self) -> float | None:
-        """One renewal (on the renewer thread): seconds until the next, or None to stop."""
+    def beat(self, cut_at: float = math.inf) -> float | None:
+        """One renewal (on the renewer thread): seconds until the next, or None to
+        stop. Every call it makes ends by ``cut_at`` (the earliest moment another
+        lease of this process runs out) and by this lease's own :attr:`valid_until`,
+        connecting included."""
         lease = self._lease
+        run = self._run_ref()
         sent = time.monotonic()
-        margin = 0.1 * lease.ttl
+        if sent >= self.valid_until or (run is not None and run.lost is not None):
+            self._lose(RAN_OUT)
+            return None
         try:
-            # A renewal that hangs (a commit waiting for a stopped synchronous standby)
-            # must not outlive the lease: it is cut before the local estimate of the
-            # expiry, so the lease is declared lost while the database still holds it.
-            with call_limit(max(MIN_INTERVAL, self._deadline - margin - sent)):
+            with call_limit(min(cut_at, self.valid_until) - sent):
                 ok = self._guard.renew(lease)
         except Exception as exc:  # any failure: we cannot know we still hold it
             if self._stopped:
                 return None
-            if time.monotonic() >= self._deadline - margin:
-                self._lose(f"renewal failed until the lease ran out ({exc})")
+            left = self.valid_until - time.monotonic()
+            if left <= 0:
+                self._lose(f"{RAN_OUT}; renewal failed ({exc})")
                 return None
             log.warning(
-                "could not renew lock %r (owner %s): %s; retrying while it lasts",
+                "could not renew lock %r (owner %s): %s; retrying for %.1fs more",
                 lease.key,
                 lease.owner,
                 exc,
+                left,
             )
-            return max(MIN_INTERVAL, min(self._interval, (self._deadline - margin - sent) / 2))
-        run = self._run_ref()
+            # Try again soon, and once more right when it runs out (to declare it).
+            return min(self._interval, max(MIN_INTERVAL, left / 2), left)
         if self._stopped or (run is not None and run.handed_over):
             return None  # released, or handed to a retry that may already have ended it
         if not ok:
             self._lose("expired or taken over before it could be renewed")
             return None
-        self._deadline = sent + lease.ttl
+        if run is not None and run.lost is not None:
+            self._lose(RAN_OUT)  # check_lease() found it ran out while this one was sent
+            return None
+        self.valid_until = valid_until(lease)
+        if run is not None:
+            run.valid_until = self.valid_until
         return self._interval
 
     def _lose(self, reason: str) -> None:
         lease = self._lease
         run = self._run_ref()
         stopping = run is not None and run.interrupter is not None
-        lost = LeaseLost(lease.key, lease.owner, f"{reason} (token {lease.token})")
         if run is not None:
-            run.lost = lost
+            lost = run.declare_lost(reason)
+            reason = lost.reason
+        else:
+            lost = LeaseLost(lease.key, lease.owner, f"{reason} (token {lease.token})")
         log.error(
-            "lost lock %r (owner %s, token %d, task id %s): %s; %s",
+            "lost lock %r (owner %s, task id %s): %s; %s",
             lease.key,
             lease.owner,
-            lease.token,
             self._task_id,
             reason,
             "stopping the task body (stop_on_lease_loss)"
@@ -307,8 +251,13 @@ class _Renewer:
                 if beat is None:
                     return
                 beat._in_flight = True
+                # Renewals take turns: none may outlive another lease's deadline.
+                cut_at = min(
+                    (b.valid_until for _, _, b in self._heap if not b._stopped),
+                    default=math.inf,
+                )
             try:
-                delay = beat.beat()
+                delay = beat.beat(cut_at)
             except Exception:  # a bug must not end every other lease's renewals
                 log.exception("renewal of %r failed unexpectedly", beat._lease.key)
                 delay = None

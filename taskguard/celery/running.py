@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from taskguard import signals
-from taskguard.celery import completions, debounce, handoff, pending, prefetched, rate
+from taskguard.celery import completions, debounce, handoff, outage, pending, prefetched, rate
 from taskguard.celery.countdowns import conflict_countdown
 from taskguard.celery.deferral import defer
 from taskguard.celery.header import header_of, message_key
@@ -123,6 +123,7 @@ def _body(
     kwargs: dict[str, Any],
     done: str | None,
 ) -> Any:
+    outage.body_started(request)  # from here on an outage is the body's own error
     token = enter_run(run) if run is not None else None
     heartbeat = Heartbeat(run, task, request.id) if run is not None else None
     if run is not None and task.taskguard_options.stop_on_lease_loss:

@@ -18,13 +18,14 @@ from celery import Task
 from celery.exceptions import Retry
 from celery.signals import task_revoked
 
-from taskguard.celery import enqueue, prefetched, running
+from taskguard.celery import enqueue, outage, prefetched, running
 from taskguard.celery.countdowns import retry_delay
 from taskguard.celery.header import HEADER, header_of
 from taskguard.celery.leasing import clamp_ttl, default_ttl
 from taskguard.celery.options import ATTR_PREFIX, GuardOptions, option_defaults
 from taskguard.celery.renewal import active_run
 from taskguard.celery.worker import release_unstarted
+from taskguard.exceptions import DatabaseUnavailable
 
 __all__ = ["GuardedTask"]
 
@@ -112,7 +113,10 @@ class GuardedTask(Task):  # type: ignore[misc]
             # A direct call runs the function like plain Python: no lock.
             return super().__call__(*args, **kwargs)
         request._taskguard_entered = True
-        return running.run_guarded(self, request, args, kwargs)
+        try:
+            return running.run_guarded(self, request, args, kwargs)
+        except DatabaseUnavailable as exc:  # before the body started: tried again later
+            raise outage.retry_later(self, request, exc) from None
 
     # -- retry -------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ Invariants every dialect upholds:
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import BindParameter
 from sqlalchemy.sql.selectable import SelectBase
 
+from taskguard.deadline import watchdog
 from taskguard.models import TaskLock, TaskLockEvent
 
 __all__ = [
@@ -213,6 +215,9 @@ class Dialect:
     relaxed_durability: ClassVar[bool] = False
     #: Driver exception types that mean "the statement was refused", never an outage.
     statement_errors: ClassVar[tuple[type[BaseException], ...]] = ()
+    #: The shortest ``connect_timeout`` (whole seconds) the driver honours; ``None``:
+    #: it has none (nothing to connect to over a network).
+    connect_timeout_floor: ClassVar[int | None] = 1
 
     # -- SQL ---------------------------------------------------------------------
 
@@ -326,6 +331,11 @@ class Dialect:
         """The connection's socket, which the statement watchdog shuts down when a
         statement outlives its time limit; ``None``: nothing to watch (in-process)."""
         return None
+
+    def setting_up(self, dbapi_conn: Any) -> contextlib.AbstractContextManager[Any]:
+        """Around a connection's set-up statements (in a ``connect`` listener): they
+        end by the deadline of the call opening the connection, like a statement."""
+        return watchdog.watch(self.socket_of(dbapi_conn))
 
     def serializes_threads(self, url: URL) -> bool:
         """Whether every thread shares one connection and must take turns."""

@@ -387,8 +387,9 @@ class MariaDB(Dialect):
         def _session(dbapi_conn: Any, _record: Any) -> None:
             cur = dbapi_conn.cursor()
             try:
-                for stmt in SESSION_SETUP:
-                    cur.execute(stmt)
+                with self.setting_up(dbapi_conn):
+                    for stmt in SESSION_SETUP:
+                        cur.execute(stmt)
             finally:
                 cur.close()
 

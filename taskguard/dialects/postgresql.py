@@ -273,6 +273,9 @@ class PostgreSQL(Dialect):
             return
         options["connect_args"] = {**self.connect_args(url), **options.get("connect_args", {})}
 
+    #: libpq rounds a shorter connect_timeout up to 2 seconds.
+    connect_timeout_floor = 2
+
     def connect_args(self, url: URL) -> dict[str, Any]:
         """psycopg options for any engine taskguard creates (locks, migrations, checks).
 
@@ -304,16 +307,18 @@ class PostgreSQL(Dialect):
             prev = dbapi_conn.autocommit
             dbapi_conn.autocommit = True
             try:
-                if not backend_pid_is_real(dbapi_conn):
-                    # Behind a pooler a session SET lands on a shared server connection:
-                    # it would make *other* clients' commits non-durable, and miss ours.
-                    warn_once(
-                        url,
-                        "durable=False on %s ignored: the URL goes through a connection "
-                        "pooler, where a session SET would leak to other clients",
-                    )
-                    return
-                dbapi_conn.execute("SET synchronous_commit TO off")
+                with self.setting_up(dbapi_conn):
+                    if not backend_pid_is_real(dbapi_conn):
+                        # Behind a pooler a session SET lands on a shared server
+                        # connection: it would make *other* clients' commits
+                        # non-durable, and miss ours.
+                        warn_once(
+                            url,
+                            "durable=False on %s ignored: the URL goes through a connection "
+                            "pooler, where a session SET would leak to other clients",
+                        )
+                        return
+                    dbapi_conn.execute("SET synchronous_commit TO off")
             finally:
                 dbapi_conn.autocommit = prev
 

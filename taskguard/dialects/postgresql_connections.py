@@ -10,8 +10,10 @@ import logging
 import time
 from typing import Any
 
+import psycopg
 from sqlalchemy import URL, Engine
 
+from taskguard.deadline import watchdog
 from taskguard.models import RELEASE_CHANNEL
 
 __all__ = [
@@ -24,6 +26,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("taskguard")
+
+#: Longest sleep of a waiter whose listener broke (seconds), as when polling.
+POLL = 0.5
 
 
 class ReleaseListener:
@@ -43,13 +48,21 @@ class ReleaseListener:
         self.pooled = not direct
         self._raw = raw
         self._conn = conn
+        self._broken = False
 
     def wait(self, key: str, timeout: float) -> bool:
         end = time.monotonic() + timeout
-        while (left := end - time.monotonic()) > 0:
-            for note in self._conn.notifies(timeout=left, stop_after=1):
-                if note.payload == key:
-                    return True
+        try:
+            while not self._broken and (left := end - time.monotonic()) > 0:
+                for note in self._conn.notifies(timeout=left, stop_after=1):
+                    if note.payload == key:
+                        return True
+        except psycopg.Error as exc:
+            # The waiter's next attempt reports the outage; until the wait ends it polls.
+            log.warning("the release listener's connection broke (%s); polling instead", exc)
+            self._broken = True
+        if self._broken:
+            time.sleep(min(max(end - time.monotonic(), 0.0), POLL))
         return False
 
     def close(self) -> None:
@@ -82,7 +95,10 @@ def prepare_when_direct(dbapi_conn: Any, _record: Any) -> None:
     prev = dbapi_conn.autocommit
     dbapi_conn.autocommit = True
     try:
-        if backend_pid_is_real(dbapi_conn):
+        # Part of opening the connection: ends by the caller's deadline like a statement.
+        with watchdog.watch(int(dbapi_conn.pgconn.socket)):
+            direct = backend_pid_is_real(dbapi_conn)
+        if direct:
             dbapi_conn.prepare_threshold = PREPARE_THRESHOLD
     finally:
         dbapi_conn.autocommit = prev

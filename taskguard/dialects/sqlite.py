@@ -95,6 +95,7 @@ class SQLite(Dialect):
     statement_errors = (sqlite3.IntegrityError, sqlite3.DataError, sqlite3.ProgrammingError)
     acquire_slots_sql = _ACQUIRE_SLOTS
     takeover_token_sql = "excluded.token"
+    connect_timeout_floor = None  # a local file: nothing to wait for
 
     def flavor(self) -> Flavor:
         fmt: ColumnElement[str] = literal_column(f"'{FMT}'")

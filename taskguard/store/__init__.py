@@ -11,6 +11,7 @@ records lock history. Driver errors become taskguard's exceptions in one place,
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from datetime import datetime
@@ -139,6 +140,7 @@ class Store:
         self, values: dict[str, Any], limit: int, seconds: float, hold: float
     ) -> tuple[Lease | None, LockInfo | None]:
         key = values["key"]
+        sent = time.monotonic()  # the lease's local clock starts here (Lease.confirmed_at)
         stmt = self._sql.acquire if limit == 1 else self._sql.acquire_slots
         unless = values.get("unless")
         if unless is not None:
@@ -154,6 +156,7 @@ class Store:
             recovered = self._recover(values, None if limit > 1 else values["slot"], exc)
             if recovered is not None:
                 recovered.ttl, recovered.min_hold = seconds, hold
+                recovered.confirmed_at = sent
                 return recovered, None
             try:
                 rows, _ = self.run(stmt, values)
@@ -186,7 +189,7 @@ class Store:
         conv = self._conv
         return Lease(
             key, values["owner"], int(token), conv(acquired_at), conv(expires_at),
-            seconds, int(slot), hold,
+            seconds, int(slot), hold, sent,
         ), None  # fmt: skip
 
     def _recover(
@@ -286,6 +289,7 @@ class Store:
         """Extend ``lease`` to ``seconds`` from now (database clock); on success
         ``lease.expires_at`` and ``lease.ttl`` are updated."""
         values = {"key": lease.key, "slot": lease.slot, "owner": lease.owner}
+        sent = time.monotonic()
         rows = self._extend(values, seconds, lease.min_hold, lease)
         if rows is None:
             return "gone"
@@ -293,6 +297,7 @@ class Store:
             return "lost"
         lease.expires_at = self._conv(rows[0][2])
         lease.ttl = seconds
+        lease.confirmed_at = sent
         return "renewed"
 
     @bounded
@@ -307,13 +312,14 @@ class Store:
             owner, h = new
             values.update(from_owner=values["owner"], owner=owner, task_name=h.task_name)
             values.update(task_id=h.task_id, hostname=h.hostname, pid=h.pid)
+        sent = time.monotonic()
         rows = self._extend(values, seconds, hold, None, handover=new is not None)
         if not rows:
             return None
         token, acquired_at, expires_at = rows[0]
         conv = self._conv
         return Lease(
-            key, owner, int(token), conv(acquired_at), conv(expires_at), seconds, slot, hold
+            key, owner, int(token), conv(acquired_at), conv(expires_at), seconds, slot, hold, sent
         )
 
     def _extend(

@@ -5,6 +5,7 @@ message (:meth:`taskguard.TaskGuard.acquire_many`)."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -61,6 +62,7 @@ class Batches:
                 batch[head:], seconds[head:]
             )
         size, params = _rows(batch, _FIELDS)
+        sent = time.monotonic()
         try:
             rows, _ = self._db.run(self._sql.acquire_many(size), params)
         except DatabaseUnavailable as exc:
@@ -78,8 +80,11 @@ class Batches:
                 continue
             token_, at, until = row
             out.append(
-                Lease(values["key"], values["owner"], int(token_), conv(at), conv(until), ttl)
-            )
+                Lease(
+                    values["key"], values["owner"], int(token_), conv(at), conv(until), ttl,
+                    confirmed_at=sent,
+                )
+            )  # fmt: skip
         return out
 
     def _give_back(self, batch: list[dict[str, Any]], cause: DatabaseUnavailable) -> None:

@@ -4,11 +4,18 @@ Lock statements never run inside a caller's transaction: each is its own
 autocommit round trip on a DBAPI connection of the guard's engine. What differs
 between databases (connect-time set-up, pooling, whether threads must take turns)
 comes from the dialect.
+
+On taskguard's own engines, opening a connection for a call with a deadline
+(every lease operation: :mod:`taskguard.deadline`) ends by that deadline too: the
+driver connects on a helper thread that the caller stops waiting for, so a host
+that accepts the connection and never answers (a hung server, a partition) cannot
+hold a renewal past the moment its lease runs out by the local clock.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 import time
@@ -16,10 +23,10 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
-from sqlalchemy import URL, Engine, create_engine
+from sqlalchemy import URL, Engine, create_engine, event
 from sqlalchemy import exc as sa_exc
 
-from taskguard.deadline import Watch, current_deadline, watchdog
+from taskguard.deadline import Watch, current_deadline, watchdog, within
 from taskguard.dialects import Dialect, Statement, dialect_for
 from taskguard.exceptions import ConfigurationError, DatabaseUnavailable, TaskGuardError
 from taskguard.store.errors import translate_error
@@ -60,7 +67,38 @@ def create_lock_engine(url: str | URL, *, durable: bool = True, **kwargs: Any) -
     except (sa_exc.ArgumentError, ImportError) as exc:
         raise ConfigurationError(f"cannot use database URL {mask_url(url)!r}: {exc}") from None
     dialect.configure_engine(engine, parsed, durable=durable)
+    if dialect.connect_timeout_floor is not None:
+        _bound_connects(engine, dialect.connect_timeout_floor, mask_url(parsed))
     return engine
+
+
+def _bound_connects(engine: Engine, shortest: int, url: str) -> None:
+    """A new connection opened for a call with a deadline ends by it (module doc);
+    ``shortest``: the driver's shortest connect_timeout."""
+
+    @event.listens_for(engine, "do_connect")
+    def _connect(sa_dialect: Any, _record: Any, cargs: Any, cparams: dict[str, Any]) -> Any:
+        deadline = current_deadline()
+        if deadline is None:
+            return None  # no limit in force: the driver's own connect timeout
+        left = deadline - time.monotonic()
+        # Only so that an abandoned attempt does not linger on its thread.
+        wanted = max(shortest, math.ceil(left))
+        configured = cparams.get("connect_timeout")
+        if configured is None or float(configured) > wanted:
+            cparams["connect_timeout"] = wanted
+        return _connect_within(lambda: sa_dialect.connect(*cargs, **cparams), left, url)
+
+
+def _connect_within(connect: Callable[[], Any], seconds: float, url: str) -> Any:
+    conn = within(connect, seconds, _give_back) if seconds > 0 else None
+    if conn is not None:
+        return conn
+    raise DatabaseUnavailable(
+        f"lock database {url} did not accept a connection within the call's time limit",
+        url,
+        False,
+    )
 
 
 def _dispose_after_fork(ref: weakref.ref[Engine]) -> None:
@@ -118,6 +156,7 @@ class Executor:
         self._local = threading.local()
         self._pinned: weakref.WeakSet[_Pinned] = weakref.WeakSet()
         self._pin_lock = threading.Lock()
+        self._opening = 0  # pins being connected (counted against the limit)
         if self._pin_limit and hasattr(os, "register_at_fork"):
             self_ref = weakref.ref(self)
             os.register_at_fork(after_in_child=lambda: _forget_pinned_after_fork(self_ref))
@@ -234,12 +273,19 @@ class Executor:
         if pinned is not None and pinned.conn is not None:
             return pinned
         with self._pin_lock:
-            if len(self._pinned) >= self._pin_limit:
+            if len(self._pinned) + self._opening >= self._pin_limit:
                 return None  # enough threads pin already: borrow per statement
-            try:
-                pinned = _Pinned(self.engine.raw_connection())
-            except Exception as exc:
-                raise translate_error(exc, self.url, self.dialect, sent=False) from exc
+            self._opening += 1
+        try:
+            # Not under the lock: another thread's renewal must not wait for our connect.
+            conn = self.engine.raw_connection()
+        except Exception as exc:
+            raise translate_error(exc, self.url, self.dialect, sent=False) from exc
+        finally:
+            with self._pin_lock:
+                self._opening -= 1
+        pinned = _Pinned(conn)
+        with self._pin_lock:
             self._pinned.add(pinned)
         self._local.pinned = pinned
         return pinned
@@ -334,3 +380,4 @@ def _forget_pinned_after_fork(ref: weakref.ref[Executor]) -> None:
         # worker's main process releasing a dead child's lease while billiard forks
         # its replacement): the child's copy would stay locked forever.
         executor._pin_lock = threading.Lock()
+        executor._opening = 0

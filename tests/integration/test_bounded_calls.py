@@ -7,20 +7,33 @@ end the call as OutcomeUnknown within the bound, never a hang and never a succes
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
+from sqlalchemy.engine import make_url
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 if str(SCRIPTS) not in sys.path:
     sys.path.insert(0, str(SCRIPTS))
 
+from chaoslib.cluster import ThrowawayCluster  # noqa: E402
 from chaoslib.failover import ReplicatedPair  # noqa: E402
+from chaoslib.proxy import FaultProxy  # noqa: E402
 
-from taskguard import DatabaseUnavailable, OutcomeUnknown, TaskGuard  # noqa: E402
+from taskguard import (  # noqa: E402
+    DatabaseUnavailable,
+    LeaseLost,
+    OutcomeUnknown,
+    TaskGuard,
+    schema,
+)
 from taskguard.deadline import call_limit  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
@@ -152,5 +165,191 @@ def test_a_renewal_that_hangs_loses_the_lease_before_its_database_expiry() -> No
             print(f"lease (ttl {ttl}s) declared lost {ahead:.2f}s before its database expiry")
             # The last successful renewal set the database expiry; the loss came first.
             assert lost_at < lease.expires_at.timestamp(), (lost_at, lease.expires_at)
+        finally:
+            guard.dispose()
+
+
+# -- issue 28 C: the lease lives on the local clock -------------------------------------
+
+
+@dataclass
+class Holding:
+    """When (time.monotonic()) a renewing holder learnt its lease was lost, by
+    check_lease() and by stop_on_lease_loss, and when the other contender's
+    successful acquire was sent."""
+
+    checked_lost: float | None = None
+    interrupted: float | None = None
+    granted_sent: float | None = None
+    renewed_at_freeze: bool = False
+
+
+def _hold_through(
+    holder: TaskGuard, other: TaskGuard, key: str, ttl: float, freeze: Any, thaw: Any
+) -> Holding:
+    """A guarded run on ``holder`` (renewed, stop_on_lease_loss armed, the body
+    polling check_lease()); ``freeze()`` after its first renewal while ``other``
+    keeps trying to take the key; ``thaw()`` once the other got it (or gave up)."""
+    from taskguard.celery.interrupt import Interrupter
+    from taskguard.celery.renewal import ActiveRun, Heartbeat, check_lease, enter_run, exit_run
+
+    out = Holding()
+    lease = holder.acquire(key, ttl)
+    assert lease is not None
+    run = ActiveRun(holder, key, lease, request=None)
+    token = enter_run(run)
+    run.interrupter = Interrupter("bounded.hold").arm()
+    beat = Heartbeat(run, None, "tid").start()
+    stop = threading.Event()
+
+    def contend() -> None:
+        while not stop.is_set():
+            sent = time.monotonic()
+            try:
+                got = other.acquire(key, 60)
+            except DatabaseUnavailable:
+                got = None
+            if got is not None:
+                out.granted_sent = sent
+                return
+            time.sleep(0.02)
+
+    contender = threading.Thread(target=contend, daemon=True)
+    try:
+        time.sleep(ttl / 3 + 0.4)  # one renewal went through
+        out.renewed_at_freeze = lease.expires_at > run.lease.acquired_at + timedelta(seconds=ttl)
+        check_lease()
+        freeze()
+        contender.start()
+        end = time.monotonic() + 4 * ttl
+        while time.monotonic() < end and (out.checked_lost is None or out.interrupted is None):
+            try:
+                try:
+                    check_lease()
+                except LeaseLost:
+                    if out.checked_lost is None:
+                        out.checked_lost = time.monotonic()
+                time.sleep(0.005)
+            except LeaseLost:  # raised by the interrupter, in the sleep
+                out.interrupted = time.monotonic()
+        contender.join(4 * ttl)
+    finally:
+        run.interrupter.disarm()
+        stop.set()
+        thaw()
+        beat.stop()
+        exit_run(token)
+        contender.join(10) if contender.is_alive() else None
+    return out
+
+
+def test_a_partition_declares_the_loss_before_the_key_can_be_taken(pg_url: str) -> None:
+    """Issue 28 C: the network between the holder and the database partitions (the
+    proxy drops the open connections and leaves new ones unanswered; the database
+    stays up for everyone else): the renewer's next connection waits for libpq's
+    connect_timeout (10 s). check_lease() and stop_on_lease_loss must both report the
+    loss before the other contender's winning acquire is even sent."""
+    port = make_url(pg_url).port or 5432
+    ttl = 3.0
+    with FaultProxy(port) as proxy:
+        holder = TaskGuard(make_url(pg_url).set(port=proxy.port))
+        other = TaskGuard(pg_url)
+
+        def partition() -> None:
+            proxy.freeze()
+            proxy.cut_all()
+
+        try:
+            got = _hold_through(holder, other, "partitioned", ttl, partition, proxy.thaw)
+        finally:
+            holder.dispose()
+            other.dispose()
+    print(got)
+    assert got.renewed_at_freeze
+    assert got.granted_sent is not None, "the other contender never got the key"
+    assert got.checked_lost is not None, "check_lease() never reported the loss"
+    assert got.interrupted is not None, "stop_on_lease_loss never stopped the body"
+    assert got.checked_lost < got.granted_sent, got
+    assert got.interrupted < got.granted_sent, got
+
+
+def test_a_frozen_database_declares_the_loss_before_its_expiry() -> None:
+    """The same with the database itself SIGSTOPped (a private cluster) right after the
+    holder's connection broke (its backend terminated): nobody can be granted while it
+    is frozen; once thawed the key goes to the other contender, and the holder must
+    have declared the loss before the lease's database expiry."""
+    ttl = 3.0
+    with ThrowawayCluster() as cluster:
+        url = cluster.create_database("frozen")
+        schema.upgrade(url)
+        holder, other = TaskGuard(url), TaskGuard(url, call_timeout=1.0)
+        thaw_at: list[float] = []
+
+        def thaw() -> None:
+            if cluster.frozen:
+                cluster.thaw()
+                thaw_at.append(time.monotonic())
+
+        def freeze() -> None:
+            with psycopg.connect(cluster.dsn("frozen"), autocommit=True) as admin:
+                admin.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = 'frozen' AND pid <> pg_backend_pid()"
+                )
+            cluster.freeze()
+            # Thaw after the lease ran out by any clock, so the other can be granted.
+            threading.Timer(1.5 * ttl, thaw).start()
+
+        try:
+            got = _hold_through(holder, other, "frozen", ttl, freeze, thaw)
+        finally:
+            thaw()
+            holder.dispose()
+            other.dispose()
+    print(got)
+    assert got.granted_sent is not None and got.checked_lost is not None, got
+    assert got.interrupted is not None, got
+    assert got.checked_lost < thaw_at[0] and got.interrupted < thaw_at[0], (got, thaw_at)
+    assert got.checked_lost < got.granted_sent and got.interrupted < got.granted_sent
+
+
+def test_opening_a_connection_ends_by_the_call_timeout(pg_url: str) -> None:
+    """A host that accepts connections and never answers (the proxy frozen): opening
+    a connection for a lease operation ends by its call_timeout, not by libpq's
+    connect_timeout (10 s); and a call_timeout under libpq's 2 s floor still
+    connects to a database that answers."""
+    port = make_url(pg_url).port or 5432
+    with FaultProxy(port) as proxy:
+        proxy.freeze()
+        guard = TaskGuard(make_url(pg_url).set(port=proxy.port), call_timeout=1.0)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(DatabaseUnavailable) as info:
+                guard.acquire("unanswered", 30)
+            took = time.monotonic() - t0
+            assert not info.value.statement_sent
+            assert took < 1.0 + SLACK, took
+            proxy.thaw()
+            assert guard.acquire("unanswered", 30) is not None
+        finally:
+            guard.dispose()
+
+
+def test_opening_a_mariadb_connection_ends_by_the_call_timeout(maria_url: str) -> None:
+    """The same through mysqlclient, whose connect_timeout is whole seconds."""
+    port = make_url(maria_url).port or 3306
+    with FaultProxy(port) as proxy:
+        proxy.freeze()
+        guard = TaskGuard(make_url(maria_url).set(port=proxy.port), call_timeout=0.5)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(DatabaseUnavailable) as info:
+                guard.acquire("unanswered", 30)
+            took = time.monotonic() - t0
+            assert not info.value.statement_sent
+            assert took < 0.5 + SLACK, took
+            proxy.thaw()
+            with call_limit(5.0):
+                assert guard.acquire("unanswered", 30) is not None
         finally:
             guard.dispose()

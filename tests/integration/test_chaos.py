@@ -24,6 +24,7 @@ from chaoslib.checker import Report  # noqa: E402
 from chaoslib.cluster import ThrowawayCluster  # noqa: E402
 from chaoslib.durability import durability_round  # noqa: E402
 from chaoslib.holders import killed_holder_round, paused_holder_round  # noqa: E402
+from chaoslib.lease_clock import cut_off_round  # noqa: E402
 from chaoslib.resource import Resource  # noqa: E402
 from chaoslib.scenarios import contention  # noqa: E402
 from chaoslib.workers import Plan  # noqa: E402
@@ -208,3 +209,26 @@ def test_relaxed_durability_loses_grants_negative_control(
     rnd = durability_round(cluster, cluster_url, durable=False, grants=50)
     assert rnd.acknowledged == 50
     assert rnd.survived < rnd.acknowledged
+
+
+# -- 11, 12. the lease on the local clock: partition, frozen database ---------------------
+
+
+@pytest.mark.parametrize("mode", ["partition", "frozen"])
+def test_a_cut_off_holder_declares_the_loss_before_the_new_grant(
+    cluster: ThrowawayCluster, mode: str
+) -> None:
+    """Issue 28: a renewing holder whose connections were reset and whose network
+    (or database) then stops answering must declare its lease lost before the
+    database grants the key to anyone else, and no stale fenced write may commit."""
+    name = f"cut_{mode}_{uuid.uuid4().hex[:8]}"
+    url = cluster.create_database(name)
+    schema.upgrade(url)
+    res = Resource(url)
+    res.setup(["k"])
+    res.dispose()
+    rnd = cut_off_round(cluster, name, "k", mode=mode, reset=True)
+    print(f"{mode}: loss declared {rnd.margin:.3f}s before the new grant; writes {rnd.writes}")
+    assert rnd.margin > 0, rnd
+    assert rnd.stale_committed == 0, rnd
+    assert rnd.late_write == "refused", rnd

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ if str(SCRIPTS) not in sys.path:
 
 from chaoslib.faults import MODES, OPS, fault_round  # noqa: E402
 from chaoslib.proxy import FaultProxy  # noqa: E402
+from conftest import drop_pg_database, new_pg_database  # noqa: E402
 
 from taskguard import (  # noqa: E402
     DatabaseUnavailable,
@@ -266,3 +268,148 @@ def test_guarded_task_runs_once_with_its_lock_after_a_cut(
     info = pg_guard.get("feed:c")
     # The body ran under the lease the database granted, released on the way out.
     assert info is not None and info.owner == ran[0].owner and not info.held
+
+
+# -- issue 28 D: a run that cannot reach the lock database is tried again ------------------
+
+
+@dataclass
+class OutageEnv:
+    app: Celery
+    proxy: FaultProxy
+    guard: TaskGuard  # direct
+
+
+@pytest.fixture(scope="module")
+def outage_env(pg_template: str) -> Iterator[OutageEnv]:
+    """An in-process worker (threads) on an in-memory broker, shared by the module's
+    outage tests; the lock database is reached through the proxy."""
+    from celery.contrib.testing.worker import start_worker as start_test_worker
+
+    url = new_pg_database(pg_template)
+    port = make_url(url).port or 5432
+    app = Celery("tg_outage", broker="memory://", backend="cache+memory://", set_as_current=False)
+    try:
+        with FaultProxy(port) as proxy:
+            proxied = make_url(url).set(port=proxy.port).render_as_string(hide_password=False)
+            app.conf.update(taskguard_database_url=proxied, taskguard_outage_retry_for=3.0)
+            app.ran = []  # type: ignore[attr-defined]
+            app.tokens = []  # type: ignore[attr-defined]
+
+            @guarded_task(app=app, shared=False, key="out:{k}", ttl=30, name="outage.fetch")
+            def fetch(k: str, fail_inside: bool = False) -> str:
+                app.ran.append(k)  # type: ignore[attr-defined]
+                app.tokens.append(current_lease().token)  # type: ignore[attr-defined, union-attr]
+                if fail_inside:  # the body's own error: never run again for it
+                    raise DatabaseUnavailable("the body's own database is down")
+                return "ran"
+
+            guard = TaskGuard(url)
+            with start_test_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+                yield OutageEnv(app, proxy, guard)
+            guard.dispose()
+    finally:
+        reset_guards()
+        drop_pg_database(url)
+
+
+@pytest.fixture
+def worker_app(outage_env: OutageEnv) -> Iterator[Celery]:
+    outage_env.app.ran.clear()  # type: ignore[attr-defined]
+    outage_env.app.tokens.clear()  # type: ignore[attr-defined]
+    outage_env.proxy.refuse = False
+    yield outage_env.app
+    outage_env.proxy.refuse = False
+
+
+def _deferrals() -> tuple[list[float], Any]:
+    from taskguard.signals import run_deferred
+
+    seen: list[float] = []
+
+    def receiver(sender: Any = None, reason: str = "", countdown: float = 0, **_: Any) -> None:
+        if reason == "outage":
+            seen.append(countdown)
+
+    run_deferred.connect(receiver, weak=False, dispatch_uid="test-outage")
+    return seen, lambda: run_deferred.disconnect(dispatch_uid="test-outage")
+
+
+def test_a_run_delivered_during_an_outage_runs_once_the_database_is_back(
+    worker_app: Celery, outage_env: OutageEnv
+) -> None:
+    """Issue 28 D: deliveries during a database outage ended FAILURE DatabaseUnavailable
+    with no retry. They are published again with a backoff and run, locked, after it."""
+    proxy = outage_env.proxy
+    seen, disconnect = _deferrals()
+    proxy.refuse = True
+    proxy.cut_all()
+    try:
+        result = worker_app.tasks["outage.fetch"].apply_async(("a",))
+        deadline = time.monotonic() + 10
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert seen, "the run was not deferred"
+        assert worker_app.ran == []  # type: ignore[attr-defined]
+        time.sleep(0.5)
+        proxy.refuse = False
+        assert result.get(timeout=20) == "ran"
+    finally:
+        disconnect()
+    assert worker_app.ran == ["a"]  # type: ignore[attr-defined]
+    info = outage_env.guard.get("out:a")
+    assert info is not None and not info.held  # it ran under its lease, released after
+
+
+def test_an_outage_longer_than_the_bound_fails_visibly(
+    worker_app: Celery, outage_env: OutageEnv, caplog: pytest.LogCaptureFixture
+) -> None:
+    proxy = outage_env.proxy
+    seen, disconnect = _deferrals()
+    proxy.refuse = True
+    proxy.cut_all()
+    t0 = time.monotonic()
+    try:
+        result = worker_app.tasks["outage.fetch"].apply_async(("b",))
+        with pytest.raises(DatabaseUnavailable):
+            result.get(timeout=30)
+    finally:
+        disconnect()
+    took = time.monotonic() - t0
+    assert 3.0 <= took < 3.0 + 10, took  # taskguard_outage_retry_for = 3
+    assert len(seen) >= 2 and all(c <= 3.0 for c in seen), seen
+    assert worker_app.ran == []  # type: ignore[attr-defined]
+    assert "giving up on outage.fetch" in caplog.text
+
+
+def test_a_body_that_started_is_not_run_again_for_an_outage(worker_app: Celery) -> None:
+    seen, disconnect = _deferrals()
+    try:
+        result = worker_app.tasks["outage.fetch"].apply_async(("c",), {"fail_inside": True})
+        with pytest.raises(DatabaseUnavailable, match="the body's own"):
+            result.get(timeout=20)
+    finally:
+        disconnect()
+    assert worker_app.ran == ["c"] and seen == []  # type: ignore[attr-defined]
+
+
+def test_a_deferred_run_adopts_the_lease_its_unknown_acquire_took(
+    worker_app: Celery, outage_env: OutageEnv
+) -> None:
+    """The acquire committed but its answer was lost and could not be read back
+    (OutcomeUnknown): the deferred copy adopts that lease (same token) instead of
+    finding the key held by its own task id until the ttl (30 s) runs out."""
+    proxy = outage_env.proxy
+    proxy.arm("partition", b"out:u")
+    result = worker_app.tasks["outage.fetch"].apply_async(("u",))
+    deadline = time.monotonic() + 10
+    while proxy.fired["partition"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.3)
+    orphan = outage_env.guard.get("out:u")
+    assert orphan is not None and orphan.held, "the cut acquire did not commit"
+    proxy.refuse = False
+    t0 = time.monotonic()
+    assert result.get(timeout=20) == "ran"
+    assert time.monotonic() - t0 < 10  # not after the orphan's 30 s ttl
+    assert worker_app.tokens == [orphan.token]  # type: ignore[attr-defined]

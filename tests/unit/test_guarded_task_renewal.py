@@ -9,13 +9,21 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
 
-from taskguard import LeaseLost, TaskGuard, signals
-from taskguard.celery import renewal
-from taskguard.celery.renewal import ActiveRun, Heartbeat, current_lease, enter_run, exit_run
+from taskguard import Lease, LeaseLost, TaskGuard, signals
+from taskguard.celery import holding, renewal
+from taskguard.celery.renewal import (
+    ActiveRun,
+    Heartbeat,
+    check_lease,
+    current_lease,
+    enter_run,
+    exit_run,
+)
 
 UNREACHABLE = "postgresql+psycopg://postgres@127.0.0.1:1/nowhere?connect_timeout=1"
 
@@ -182,3 +190,23 @@ def test_short_runs_do_not_wake_the_renewer(
         assert short_lease.expires_at > first_expiry
     finally:
         beat.stop()
+
+
+def test_the_lease_runs_out_by_the_local_clock_without_the_renewer() -> None:
+    """check_lease() and current_lease() read this host's clock: a lease whose last
+    confirmation is older than ttl - margin counts as lost, whatever the renewer
+    (here: none at all) is doing."""
+    now = datetime.now(timezone.utc)
+    lease = Lease("k", "o", 1, now, now + timedelta(seconds=1), 1.0, confirmed_at=time.monotonic())
+    run = ActiveRun(None, "k", lease, request=None)  # type: ignore[arg-type]
+    token = enter_run(run)
+    try:
+        assert check_lease() is lease and current_lease() is lease
+        time.sleep(1.0 - holding.MARGIN + 0.05)
+        with pytest.raises(LeaseLost, match="ran out by this host's clock"):
+            check_lease()
+        with pytest.raises(LeaseLost):
+            current_lease()
+        assert current_lease(check=False) is lease
+    finally:
+        exit_run(token)

@@ -107,3 +107,30 @@ def test_limits_are_per_thread() -> None:
         t.start()
         t.join()
     assert seen == [None]
+
+
+def test_within_stops_waiting_and_discards_what_comes_late() -> None:
+    from taskguard.deadline import within
+
+    release = threading.Event()
+    discarded: list[str] = []
+
+    def slow() -> str:
+        release.wait(5)
+        return "late"
+
+    t0 = time.monotonic()
+    assert within(slow, 0.2, discarded.append) is None
+    assert time.monotonic() - t0 < 1.0
+    release.set()
+    deadline = time.monotonic() + 5
+    while not discarded and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert discarded == ["late"]
+    assert within(lambda: "fast", 5.0, discarded.append) == "fast"
+
+    def fails() -> str:
+        raise ValueError("refused")
+
+    with pytest.raises(ValueError, match="refused"):
+        within(fails, 5.0, discarded.append)

@@ -1,0 +1,99 @@
+"""A guarded run that cannot reach the lock database is tried again later.
+
+When the lock database cannot be reached before a run's body starts (its acquire,
+the hand-off of a queued lease, its pending place, its finished-record check: a
+:class:`~taskguard.DatabaseUnavailable`, or an :class:`~taskguard.OutcomeUnknown`),
+the message is published again with a countdown (:func:`taskguard.celery.deferral.defer`:
+outside ``max_retries``), :data:`FIRST_DELAY` seconds doubling up to :data:`MAX_DELAY`,
+until ``taskguard_outage_retry_for`` seconds have passed since its first failure;
+after that the run fails with the error (FAILURE, one ERROR line). Nothing runs
+without its lock and nothing is dropped: each deferral is logged (WARNING) and sent
+as :data:`taskguard.signals.run_deferred` with reason ``"outage"`` (the metric
+``taskguard_runs_deferred_total{reason="outage"}``).
+
+The copy carries the message's taskguard header on (a handed-over lease, a pending
+place, a debounce batch) and, when an acquire's outcome was unknown, the owner id
+that may hold the key, so the copy adopts that lease rather than waiting for it to
+expire. A body that has started is never run again for this: an error it raises is
+its own. Eager runs (no broker to hold a countdown) raise the error at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Any
+
+from taskguard.celery.deferral import defer
+from taskguard.celery.header import header_of, message_key
+from taskguard.config import setting
+from taskguard.exceptions import DatabaseUnavailable, OutcomeUnknown
+from taskguard.keys import validate_ttl
+
+__all__ = ["FIRST_DELAY", "MAX_DELAY", "body_started", "retry_later"]
+
+log = logging.getLogger("taskguard.celery")
+
+#: First and longest countdown (seconds) of a run put off by an outage.
+FIRST_DELAY = 1.0
+MAX_DELAY = 30.0
+#: The header field that carries ``{"since": <epoch seconds>, "n": <deferrals>}``.
+FIELD = "outage"
+_STARTED = "_taskguard_started"
+
+
+def body_started(request: Any) -> None:
+    """Mark ``request``'s body as started: from here on its errors are its own."""
+    setattr(request, _STARTED, True)
+
+
+def retry_later(task: Any, request: Any, exc: DatabaseUnavailable) -> BaseException:
+    """What to raise for ``exc``: the :class:`~celery.exceptions.Retry` of a copy
+    published with a countdown, or ``exc`` itself (the body had started, an eager
+    run, retries off, or the outage outlasted ``taskguard_outage_retry_for``)."""
+    if getattr(request, _STARTED, False) or request.is_eager:
+        return exc
+    value = setting(task._get_app(), "taskguard_outage_retry_for")
+    bound = 0.0 if value in (0, None) else validate_ttl(value, name="taskguard_outage_retry_for")
+    header = header_of(request)
+    state = header.get(FIELD)
+    now = time.time()
+    try:
+        since, n = float(state["since"]), int(state["n"])  # type: ignore[index]
+    except (KeyError, TypeError, ValueError):
+        since, n = now, 0
+    left = since + bound - now
+    if left <= 0:
+        log.error(
+            "giving up on %s[%s]: the lock database was unreachable for %.0fs "
+            "(taskguard_outage_retry_for = %g): %s",
+            task.name,
+            request.id,
+            now - since,
+            bound,
+            exc,
+        )
+        return exc
+    opts = task.taskguard_options
+    key = message_key(opts, header, request.args or (), request.kwargs or {})
+    countdown = min(MAX_DELAY, FIRST_DELAY * 2 ** min(n, 8), left) * random.uniform(0.8, 1.0)
+    extra = {name: value for name, value in header.items() if name not in ("v", "key", "via")}
+    extra["deferred"] = header.get("deferred")  # the copy starts as this message would have
+    extra[FIELD] = {"since": since, "n": n + 1}
+    unknown = isinstance(exc, OutcomeUnknown) and exc.key == key and "lease" not in header
+    if unknown and opts.locks_run and opts.limit == 1:
+        # The acquire may have committed: the copy adopts that lease if it did.
+        owner = exc.owner  # type: ignore[attr-defined]
+        extra["lease"] = {"key": key, "owner": owner, "slot": 0, "min_hold": opts.min_hold or 0}
+    log.warning(
+        "lock database unreachable before %s[%s] could start (%s); trying again in %.1fs, "
+        "for %.0fs more at most",
+        task.name,
+        request.id,
+        exc,
+        countdown,
+        left,
+    )
+    retry: BaseException = defer(task, request, key, countdown, "outage", extra)
+    return retry
