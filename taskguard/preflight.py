@@ -102,7 +102,7 @@ def _check(engine: Engine, result: CheckResult) -> None:
         result.unreachable = True
         return
     try:
-        applied = schema.current(engine)
+        state = schema.installed(engine)
     except TaskGuardError as exc:  # already one line naming the fix (e.g. a privilege)
         result.problems.append(str(exc))
         return
@@ -111,12 +111,13 @@ def _check(engine: Engine, result: CheckResult) -> None:
         result.problems.append(f"cannot read taskguard's schema version: {first}")
         return
     head = schema.head()
-    result.schema_revision = ", ".join(applied) or "base"
-    if applied != [head]:
-        state = "not installed" if not applied else f"at {result.schema_revision}"
+    result.schema_revision = ", ".join(state.revisions) or "base"
+    if state.revisions != [head]:
+        where = f" in {state.where}" if state.revisions else ""
+        status = "not installed" if not state.revisions else f"at {result.schema_revision}{where}"
         result.problems.append(
-            f"taskguard's schema is {state}, this taskguard needs {head}: run "
-            "`taskguard db upgrade --database-url ...` (as the schema owner)"
+            f"taskguard's schema is {status}, this taskguard needs {head}: run "
+            f"{state.upgrade_command()}"
         )
         return
     if engine.dialect.name == "postgresql":

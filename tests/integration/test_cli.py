@@ -24,7 +24,7 @@ from cli_runner import (  # noqa: F401 - fixtures
 )
 from sqlalchemy.engine import make_url
 
-from taskguard import TaskGuard
+from taskguard import TaskGuard, schema
 
 pytestmark = pytest.mark.postgres
 
@@ -121,6 +121,10 @@ def test_db_commands_mask_the_password(empty_pg_url: str) -> None:
     env = {**base_env(), "TASKGUARD_DATABASE_URL": with_password(empty_pg_url)}
     out = tg("db", "upgrade", env=env)
     assert "postgres:***@" in out
+    assert out.strip().endswith(f"taskguard schema base -> {schema.head()}"), out
+    # Run again it says that nothing changed (issue 27: it printed the same line).
+    again = tg("db", "upgrade", env=env)
+    assert again.strip().endswith(f"already at {schema.head()}; nothing to do"), again
     assert "up to date" in tg("db", "current", env=env)
 
 
@@ -220,6 +224,8 @@ def test_db_commands_after_switching_to_the_applications_alembic(empty_pg_url: s
     out = tg("db", "current", env=env)
     assert not out.startswith("base"), out
     assert "managed by your application's Alembic" in out and "alembic upgrade heads" in out
+    # The start-up check reads the same place (issue 27, item 1).
+    assert ": ok (schema at " in tg("check", env=env)
     proc = run([*TASKGUARD, "db", "upgrade"], env, code=2)
     assert "managed by your application's Alembic" in proc.stderr
     assert "alembic upgrade heads" in proc.stderr and "already exists" not in proc.stderr

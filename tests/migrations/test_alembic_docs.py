@@ -27,6 +27,8 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
+from conftest import REDIS_URL
+from integration.celery.workers import start_worker
 from sqlalchemy import create_engine, inspect, text
 
 import taskguard
@@ -175,7 +177,41 @@ def _objects(url: str) -> set[str]:
     return names
 
 
+#: The application's Celery app, as a user following the page would have it.
+_TASKS = """
+import os
+
+from celery import Celery
+
+from taskguard import guarded_task
+
+app = Celery("tasks", broker=os.environ["TASKGUARD_TEST_BROKER_URL"])
+app.conf.taskguard_database_url = os.environ["TASKGUARD_DATABASE_URL"]
+app.conf.taskguard_startup_check = "stop"
+
+
+@guarded_task(app=app, key="order:{order_id}")
+def ship(order_id):
+    return order_id
+"""
+
+
+def ready_for_work(url: str, workdir: Path) -> None:
+    """What the page's reader does next: ``taskguard check`` passes, and a worker
+    whose start-up check stops on a wrong schema starts."""
+    code, stdout, stderr = _invoke(["taskguard", "check", "--database-url", url], workdir)
+    assert code == 0, stdout + stderr
+    assert f"(schema at {schema.head()})" in stdout, stdout
+    apps = workdir / "celeryapp"
+    apps.mkdir(exist_ok=True)
+    (apps / "tasks.py").write_text(_TASKS)
+    # start_worker fails unless the worker reports "ready" (the check stops it before).
+    with start_worker("tasks", REDIS_URL, url, concurrency=1, pythonpath=(apps,)) as worker:
+        assert worker.proc.poll() is None
+
+
 @pytest.mark.postgres
+@pytest.mark.celery
 @pytest.mark.parametrize("scenario", ["way1", "way2"])
 def test_alembic_page_runs_as_written(scenario: str, empty_pg_url: str, tmp_path: Path) -> None:
     checked: list[str] = []
@@ -184,11 +220,14 @@ def test_alembic_page_runs_as_written(scenario: str, empty_pg_url: str, tmp_path
         # The page's claim for way 1, checked before it switches to way 2.
         assert _versions(empty_pg_url, "alembic_version") == {APP_REVISION}
         assert _versions(empty_pg_url, "taskguard_alembic_version") == {schema.head()}
+        ready_for_work(empty_pg_url, tmp_path)
         checked.append("way1")
 
     hook = way1_leaves_the_app_alone if scenario == "way1" else None
     run_page(scenario, tmp_path, empty_pg_url, before_append=hook)
     assert checked == (["way1"] if scenario == "way1" else [])
+    # Way 2, and way 1 after the switch: taskguard's revision is in the app's table.
+    ready_for_work(empty_pg_url, tmp_path)
     # The objects the page names exist; the app's own table is still there.
     assert {
         "orders",
