@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import URL, Connection, Engine, create_engine
 
-from taskguard.dialects import dialect_for
+from taskguard.dialects import dialect_for, dialect_for_url
 from taskguard.exceptions import ConfigurationError
 from taskguard.models import (
     HELD_VIEW,
@@ -56,8 +56,6 @@ __all__ = [
 ]
 
 BRANCH_LABEL = "taskguard"
-#: Oldest MariaDB with everything the lock SQL uses (sequences, INSERT … RETURNING, JSON_TABLE).
-MARIADB_MIN = (10, 6)
 #: Every database object taskguard's migrations create.
 TASKGUARD_OBJECTS = frozenset(
     {LOCKS_TABLE, HELD_VIEW, TOKEN_SEQUENCE, SQLITE_TOKEN_TABLE, VERSION_TABLE, "task_lock_events"}
@@ -106,25 +104,10 @@ def exclude_taskguard_objects(
 
 
 def check_supported(conn: Connection) -> None:
-    """Raise :class:`ConfigurationError` unless taskguard supports this database.
-    Called before Alembic creates its version table, so a refusal leaves nothing behind."""
-    dialect = conn.dialect
-    if dialect.name in ("postgresql", "sqlite"):
-        return
-    if dialect.name in ("mysql", "mariadb"):
-        version = tuple(dialect.server_version_info or ())
-        mariadb = bool(getattr(dialect, "is_mariadb", False))
-        if mariadb and version >= MARIADB_MIN:
-            return
-        raise ConfigurationError(
-            f"taskguard needs MariaDB 10.6 or newer; this server is "
-            f"{'MariaDB' if mariadb else 'MySQL'} {'.'.join(map(str, version))} "
-            "(MySQL has no sequences for fencing tokens)"
-        )
-    raise ConfigurationError(
-        f"taskguard supports postgresql, sqlite and mariadb, not {dialect.name}: "
-        "point --database-url at one of those"
-    )
+    """Raise :class:`ConfigurationError` unless taskguard supports this database
+    (the registry's dialect for it accepts the server it reached). Called before
+    Alembic creates its version table, so a refusal leaves nothing behind."""
+    dialect_for(conn.dialect.name).check_server(conn.dialect)
 
 
 def alembic_config(url: str | URL | None = None, *, stdout: Any = None) -> Config:
@@ -145,12 +128,13 @@ def alembic_config(url: str | URL | None = None, *, stdout: Any = None) -> Confi
 def _engine(url_or_engine: str | URL | Engine) -> tuple[Engine, bool]:
     if isinstance(url_or_engine, Engine):
         return url_or_engine, False
+    parsed = parse_url(url_or_engine)
     try:
-        parsed = parse_url(url_or_engine)
-        try:
-            connect_args = dialect_for(parsed.get_backend_name()).connect_args(parsed)
-        except ConfigurationError:
-            connect_args = {}  # not a lock database taskguard knows: let SQLAlchemy say so
+        # Unknown databases and unsupported or missing drivers: one line naming the fix.
+        connect_args = dialect_for_url(parsed).connect_args(parsed)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"cannot use database URL {mask_url(parsed)!r}: {exc}") from None
+    try:
         return create_engine(parsed, connect_args=connect_args), True
     except Exception as exc:
         raise ConfigurationError(
