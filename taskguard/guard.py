@@ -18,7 +18,7 @@ from taskguard.batch import BatchOperations
 from taskguard.deadline import DEFAULT_CALL_TIMEOUT
 from taskguard.exceptions import InvalidKey, LockHeld
 from taskguard.fencing import fence
-from taskguard.history import LockEvent, explain, secs, with_holders
+from taskguard.history import LockEvent, explain, secs, story
 from taskguard.keys import (
     MAX_LIMIT,
     adopter_for,
@@ -401,7 +401,7 @@ class TaskGuard(BatchOperations):
     def events(self, key: str, *, limit: int = 50) -> list[LockEvent]:
         """The most recent ``limit`` history events of ``key``, oldest first (empty
         unless some guard records history: ``TaskGuard(..., history=True)``)."""
-        return with_holders(self._store.history.read(normalize_key(key), limit))
+        return story(self._store.history.read(normalize_key(key), limit))[-limit:]
 
     def explain(self, key: str, *, limit: int = 50) -> str:
         """The recent story of ``key`` as text: who held it, for how long, who was

@@ -158,7 +158,8 @@ class LockSQL:
     #: A reap batch's history in a second statement (dialects without data-modifying CTEs).
     reaped_events: Statement | None
     record_event: Statement
-    record_acquired: Statement
+    #: An event ending a grant, with the holder of that grant's ``acquired`` event.
+    record_ended: Statement
     events: Statement
     trim_events: Statement
     #: ``acquire`` refused while the key ``:unless`` is held (one statement); None:
