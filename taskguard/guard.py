@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import URL, Engine
 
 from taskguard.batch import BatchOperations
+from taskguard.companions import without_companions
 from taskguard.deadline import DEFAULT_CALL_TIMEOUT
 from taskguard.exceptions import InvalidKey, LockHeld
 from taskguard.fencing import fence
@@ -321,27 +322,27 @@ class TaskGuard(BatchOperations):
         """The row for ``key`` (slot 0 for a mutex), live or not; ``None`` if there is
         none. ``info.held`` says whether it is live by the database clock."""
         rows = self._store.rows(normalize_key(key))
-        if not rows:
-            return None
-        live = [r for r in rows if r.held]
-        return live[0] if live else rows[0]
+        return next((r for r in rows if r.held), rows[0] if rows else None)
 
     def get_all(self, key: str) -> list[LockInfo]:
         """Every slot row for ``key`` (several under a concurrency limit)."""
         return self._store.rows(normalize_key(key))
 
     def held(
-        self,
-        prefix: str | None = None,
-        *,
-        include_expired: bool = False,
-        limit: int = _DEFAULT_LIMIT,
-    ) -> list[LockInfo]:
+        self, prefix: str | None = None, *, include_expired: bool = False,
+        companions: bool = False, limit: int = _DEFAULT_LIMIT,
+    ) -> list[LockInfo]:  # fmt: skip
         """Live leases (or every row with ``include_expired``) whose key starts with
-        ``prefix``, ordered by key."""
+        ``prefix``, ordered by key; the Celery glue's companion rows (finished runs'
+        records, pending/rate/debounce rows: :mod:`taskguard.companions`) only with
+        ``companions=True``."""
         if prefix is not None and not isinstance(prefix, str):
             raise InvalidKey(f"prefix must be a str, not {type(prefix).__name__}", prefix)
-        return self._store.held(prefix or "", include_expired=include_expired, limit=int(limit))
+
+        def read(n: int) -> list[LockInfo]:
+            return self._store.held(prefix or "", include_expired=include_expired, limit=n)
+
+        return read(int(limit)) if companions else without_companions(read, int(limit))
 
     def force_release(self, key: str, *, by: str | None = None) -> bool:
         """Operator override: end every live lease on ``key`` whoever holds it.

@@ -73,6 +73,30 @@ def test_locks_lists_live_leases_as_table_and_json(guard: TaskGuard, env: dict[s
     )
 
 
+def test_locks_lists_held_locks_and_companion_rows_on_request(
+    guard: TaskGuard, env: dict[str, str]
+) -> None:
+    """Issue 27, item 7: finished runs' records crowded the list (51 of 52 rows)."""
+    lock = guard.acquire("feed:1", 300, task_name="feeds.import")
+    assert lock is not None
+    for key in ("feed:1#pending", "feed:1#debounce", "feed:0#rate", "taskguard:finished:t-1"):
+        assert guard.acquire(key, 300, task_name="feeds.import") is not None
+    assert [r["key"] for r in json.loads(tg("locks", "--json", env=env))] == ["feed:1"]
+    assert [line.split()[0] for line in tg("locks", env=env).splitlines()] == ["KEY", "feed:1"]
+    every = [r["key"] for r in json.loads(tg("locks", "--all", "--json", env=env))]
+    assert every == ["feed:0#rate", "feed:1", "feed:1#debounce", "feed:1#pending",
+                     "taskguard:finished:t-1"]  # fmt: skip
+    # The API's limit counts locks, however many companion rows sort before them.
+    for i in range(5):
+        assert guard.acquire(f"a:{i}#pending", 300) is not None
+    assert [i.key for i in guard.held(limit=1)] == ["feed:1"]
+    assert len(guard.held(limit=3, companions=True)) == 3
+    # `show` names a key's companions; --all lists their rows too.
+    assert [r["key"] for r in json.loads(tg("show", "feed:1", "--json", env=env))] == ["feed:1"]
+    shown = json.loads(tg("show", "feed:1", "--all", "--json", env=env))
+    assert [r["key"] for r in shown] == ["feed:1", "feed:1#pending", "feed:1#debounce"]
+
+
 def test_show_prints_who_holds_a_key(guard: TaskGuard, env: dict[str, str]) -> None:
     lease = guard.acquire("invoice:42", 300, task_name="billing.charge", task_id="abc", pid=77)
     assert lease is not None
