@@ -32,6 +32,7 @@ from taskguard.keys import (
 )
 from taskguard.lease import Attempt, Holder, Lease, LockInfo, Marker, ReapResult
 from taskguard.store import Store
+from taskguard.urls import url_source
 from taskguard.waiting import wait_for
 
 __all__ = ["DEFAULT_HISTORY_RETENTION", "MAX_LIMIT", "ReapResult", "TaskGuard"]
@@ -84,7 +85,7 @@ class TaskGuard(BatchOperations):
         **engine_kwargs: Any,
     ) -> None:
         self._store = Store(
-            url_or_engine,
+            url_source(url_or_engine),  # also Django's DjangoDatabaseURL
             durable=durable,
             call_timeout=validate_ttl(call_timeout, name="call_timeout"),
             listen_url=listen_url,
@@ -333,9 +334,8 @@ class TaskGuard(BatchOperations):
         companions: bool = False, limit: int = _DEFAULT_LIMIT,
     ) -> list[LockInfo]:  # fmt: skip
         """Live leases (or every row with ``include_expired``) whose key starts with
-        ``prefix``, ordered by key; the Celery glue's companion rows (finished runs'
-        records, pending/rate/debounce rows: :mod:`taskguard.companions`) only with
-        ``companions=True``."""
+        ``prefix``, by key; the Celery glue's companion rows (finished runs' records,
+        #pending/#rate/#debounce: :mod:`taskguard.companions`) only with ``companions``."""
         if prefix is not None and not isinstance(prefix, str):
             raise InvalidKey(f"prefix must be a str, not {type(prefix).__name__}", prefix)
 

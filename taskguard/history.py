@@ -187,7 +187,10 @@ def explain(key: str, events: Sequence[LockEvent], rows: Sequence[LockInfo]) -> 
             stamp = ev.at.isoformat(sep=" ", timespec="milliseconds")
             lines.append(f"  {stamp}  {ev.describe()}")
     else:
-        lines.append("history: none recorded (is history on? TaskGuard(..., history=True))")
+        lines.append(
+            "history: none recorded (is history on? Celery: app.conf.taskguard_history = "
+            "True; Django: TASKGUARD_HISTORY = True; Python: TaskGuard(..., history=True))"
+        )
     live = [r for r in rows if r.held]
     if live:
         lines.append(f"now: held ({len(live)} holder(s))")

@@ -145,6 +145,19 @@ def test_explain_tells_the_story_of_a_scripted_scenario(db_url: str) -> None:
     assert missing.returncode == 1 and "nothing recorded" in missing.stderr
 
 
+def test_explain_without_history_says_how_to_turn_it_on(sqlite_url: str) -> None:
+    """A Celery user was told only ``TaskGuard(..., history=True)``."""
+    guard = TaskGuard(sqlite_url)
+    try:
+        assert guard.acquire(KEY, 30) is not None
+    finally:
+        guard.dispose()
+    run = _explain(sqlite_url)
+    assert run.returncode == 0, run.stderr
+    assert "app.conf.taskguard_history = True" in run.stdout
+    assert "TASKGUARD_HISTORY = True" in run.stdout and "history=True" in run.stdout
+
+
 def test_history_off_records_nothing_and_adds_no_statement(guard: TaskGuard) -> None:
     sent: list[str] = []
     run = guard._store._db.run

@@ -54,6 +54,17 @@ class SettingsReachTheCeleryApp(TransactionTestCase):
         self.assertIn("taskguard-reaper", app.conf.beat_schedule)
         self.assertTrue(guard_for(app).history)
 
+    def test_the_apps_database_url_makes_a_guard(self) -> None:
+        """It is a DjangoDatabaseURL object, not a str: TaskGuard(that) raised."""
+        guard = TaskGuard(app.conf.taskguard_database_url)
+        try:
+            lease = guard.acquire(_key("url"), ttl=30)
+            self.assertIsNotNone(lease)
+            assert lease is not None
+            self.assertTrue(guard.release(lease))
+        finally:
+            guard.dispose()
+
 
 class AdminPages(TransactionTestCase):
     def setUp(self) -> None:
