@@ -227,6 +227,7 @@ _session_off: list[contextlib.ExitStack] = []
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    _prefix(config)  # a bad prefix stops the run before any test
     if locking_off_requested(str(config.getini("taskguard_locking") or "")):
         stack = contextlib.ExitStack()
         stack.enter_context(locking_disabled())
