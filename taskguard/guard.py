@@ -15,10 +15,11 @@ from typing import Any
 from sqlalchemy import URL, Engine
 
 from taskguard.batch import BatchOperations
+from taskguard.companions import without_companions
 from taskguard.deadline import DEFAULT_CALL_TIMEOUT
 from taskguard.exceptions import InvalidKey, LockHeld
 from taskguard.fencing import fence
-from taskguard.history import LockEvent, explain, secs, with_holders
+from taskguard.history import LockEvent, explain, secs, story
 from taskguard.keys import (
     MAX_LIMIT,
     adopter_for,
@@ -31,6 +32,7 @@ from taskguard.keys import (
 )
 from taskguard.lease import Attempt, Holder, Lease, LockInfo, Marker, ReapResult
 from taskguard.store import Store
+from taskguard.urls import url_source
 from taskguard.waiting import wait_for
 
 __all__ = ["DEFAULT_HISTORY_RETENTION", "MAX_LIMIT", "ReapResult", "TaskGuard"]
@@ -83,7 +85,7 @@ class TaskGuard(BatchOperations):
         **engine_kwargs: Any,
     ) -> None:
         self._store = Store(
-            url_or_engine,
+            url_source(url_or_engine),  # also Django's DjangoDatabaseURL
             durable=durable,
             call_timeout=validate_ttl(call_timeout, name="call_timeout"),
             listen_url=listen_url,
@@ -321,27 +323,26 @@ class TaskGuard(BatchOperations):
         """The row for ``key`` (slot 0 for a mutex), live or not; ``None`` if there is
         none. ``info.held`` says whether it is live by the database clock."""
         rows = self._store.rows(normalize_key(key))
-        if not rows:
-            return None
-        live = [r for r in rows if r.held]
-        return live[0] if live else rows[0]
+        return next((r for r in rows if r.held), rows[0] if rows else None)
 
     def get_all(self, key: str) -> list[LockInfo]:
         """Every slot row for ``key`` (several under a concurrency limit)."""
         return self._store.rows(normalize_key(key))
 
     def held(
-        self,
-        prefix: str | None = None,
-        *,
-        include_expired: bool = False,
-        limit: int = _DEFAULT_LIMIT,
-    ) -> list[LockInfo]:
+        self, prefix: str | None = None, *, include_expired: bool = False,
+        companions: bool = False, limit: int = _DEFAULT_LIMIT,
+    ) -> list[LockInfo]:  # fmt: skip
         """Live leases (or every row with ``include_expired``) whose key starts with
-        ``prefix``, ordered by key."""
+        ``prefix``, by key; the Celery glue's companion rows (finished runs' records,
+        #pending/#rate/#debounce: :mod:`taskguard.companions`) only with ``companions``."""
         if prefix is not None and not isinstance(prefix, str):
             raise InvalidKey(f"prefix must be a str, not {type(prefix).__name__}", prefix)
-        return self._store.held(prefix or "", include_expired=include_expired, limit=int(limit))
+
+        def read(n: int) -> list[LockInfo]:
+            return self._store.held(prefix or "", include_expired=include_expired, limit=n)
+
+        return read(int(limit)) if companions else without_companions(read, int(limit))
 
     def force_release(self, key: str, *, by: str | None = None) -> bool:
         """Operator override: end every live lease on ``key`` whoever holds it.
@@ -401,7 +402,7 @@ class TaskGuard(BatchOperations):
     def events(self, key: str, *, limit: int = 50) -> list[LockEvent]:
         """The most recent ``limit`` history events of ``key``, oldest first (empty
         unless some guard records history: ``TaskGuard(..., history=True)``)."""
-        return with_holders(self._store.history.read(normalize_key(key), limit))
+        return story(self._store.history.read(normalize_key(key), limit))[-limit:]
 
     def explain(self, key: str, *, limit: int = 50) -> str:
         """The recent story of ``key`` as text: who held it, for how long, who was

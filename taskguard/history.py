@@ -1,14 +1,22 @@
 """Lock history (opt-in): the ``task_lock_events`` table and ``taskguard explain``.
 
 With ``TaskGuard(..., history=True)`` every grant, conflict, release, lost lease,
-takeover, operator release and reaped row becomes one row of
-``task_lock_events``. Recording (in :mod:`taskguard.store`) is best-effort: it runs after the lock
+operator release and reaped row becomes one row of ``task_lock_events``.
+Recording (in :mod:`taskguard.store`) is best-effort: it runs after the lock
 statement has done its work, and a failure to record is logged, never raised, so
 history can never make a lock operation fail. This module reads the story back.
+
+A takeover (a lease that ended without release, then granted to someone else) is
+read from the recorded facts, not from the order they were written in: a grant
+of which no release, operator release or reaping was ever recorded, followed by
+another owner's grant of the same slot (a higher fencing token), was taken over
+(:func:`story`). Its holder writes its release a fraction of a millisecond after
+the release itself, which can be after the next holder's grant was recorded.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -16,7 +24,7 @@ from typing import Any
 
 from taskguard.lease import Holder, LockInfo
 
-__all__ = ["EVENTS", "LockEvent", "explain", "secs", "with_holders"]
+__all__ = ["EVENTS", "RELEASED", "LockEvent", "explain", "secs", "story", "with_holders"]
 
 #: Every kind of event, in the words ``taskguard explain`` uses.
 EVENTS = {
@@ -28,6 +36,9 @@ EVENTS = {
     "force_released": "force-released",
     "reaped": "reaped",
 }
+#: Events after which a grant was not taken over: it was given back, ended by an
+#: operator, or its row reaped (``taken_over``: recorded so by taskguard < 0.2).
+RELEASED = ("released", "force_released", "reaped", "taken_over")
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +123,39 @@ def with_holders(events: list[LockEvent]) -> list[LockEvent]:
     ]
 
 
+def story(events: list[LockEvent]) -> list[LockEvent]:
+    """``events`` (oldest first) with holder details filled in (:func:`with_holders`)
+    and a ``taken_over`` event before each grant that took over a lease that ended
+    without release (see the module docstring)."""
+    events = with_holders(events)
+    released = {(e.slot, e.owner) for e in events if e.event in RELEASED}
+    grants: dict[int, list[tuple[int, LockEvent]]] = {}
+    for e in events:
+        if e.event == "acquired" and e.token is not None:
+            grants.setdefault(e.slot, []).append((e.token, e))
+    before: dict[int, list[LockEvent]] = {}
+    for slot_grants in grants.values():
+        slot_grants.sort(key=lambda pair: pair[0])
+        tokens = [token for token, _ in slot_grants]
+        for token, prev in slot_grants:
+            at = bisect.bisect_right(tokens, token)  # the next grant: the next higher token
+            if (prev.slot, prev.owner) in released or at == len(tokens):
+                continue
+            nxt = slot_grants[at][1]
+            before.setdefault(nxt.id, []).append(
+                replace(
+                    prev,
+                    at=nxt.at,
+                    event="taken_over",
+                    duration=max((nxt.at - prev.at).total_seconds(), 0.0),
+                    detail=f"lease expired without release; taken over by owner {nxt.owner}",
+                )
+            )
+    if not before:
+        return events
+    return [d for e in events for d in (*before.get(e.id, ()), e)]
+
+
 def _who(h: Holder) -> str:
     return " ".join(
         p
@@ -143,7 +187,10 @@ def explain(key: str, events: Sequence[LockEvent], rows: Sequence[LockInfo]) -> 
             stamp = ev.at.isoformat(sep=" ", timespec="milliseconds")
             lines.append(f"  {stamp}  {ev.describe()}")
     else:
-        lines.append("history: none recorded (is history on? TaskGuard(..., history=True))")
+        lines.append(
+            "history: none recorded (is history on? Celery: app.conf.taskguard_history = "
+            "True; Django: TASKGUARD_HISTORY = True; Python: TaskGuard(..., history=True))"
+        )
     live = [r for r in rows if r.held]
     if live:
         lines.append(f"now: held ({len(live)} holder(s))")

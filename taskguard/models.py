@@ -9,7 +9,7 @@ index.
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, ClassVar
 
 from sqlalchemy import (
     BigInteger,
@@ -22,16 +22,14 @@ from sqlalchemy import (
     SmallInteger,
     String,
 )
-from sqlalchemy.dialects import mysql
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
-from sqlalchemy.types import TypeDecorator
+from sqlalchemy.types import TypeDecorator, TypeEngine
 
 __all__ = [
     "EVENTS_TABLE",
     "HELD_VIEW",
     "LOCKS_TABLE",
-    "MARIADB_DIALECTS",
     "MARIADB_TABLE_OPTIONS",
     "RELEASE_CHANNEL",
     "SQLITE_TOKEN_TABLE",
@@ -53,8 +51,6 @@ HELD_VIEW = "task_locks_held"
 TOKEN_SEQUENCE = "task_locks_token_seq"
 #: SQLite has no sequences: a one-row high-water mark kept by a trigger.
 SQLITE_TOKEN_TABLE = "task_locks_token_counter"
-#: SQLAlchemy dialect names of MariaDB (``mysql+…://`` and ``mariadb+…://`` URLs).
-MARIADB_DIALECTS = ("mysql", "mariadb")
 #: MariaDB table options: InnoDB, and a byte-exact collation for keys and owners
 #: (``utf8mb4_bin`` pads: it would make ``'a'`` and ``'a '`` one key).
 MARIADB_TABLE_OPTIONS = {
@@ -85,16 +81,19 @@ class UTCDateTime(TypeDecorator[datetime]):
 
     PostgreSQL stores ``timestamptz``; SQLite stores ISO text and MariaDB
     ``DATETIME(6)``, both naive UTC, tagged UTC here when read (taskguard only
-    ever writes UTC there).
+    ever writes UTC there). Which backends store naive UTC, and in which column
+    type, is each dialect's to say (:mod:`taskguard.dialects` fills in
+    :attr:`naive_utc`).
     """
 
     impl = DateTime(timezone=True)
     cache_ok = True
+    #: SQLAlchemy backend name -> its column type (``None``: the default) for the
+    #: backends that store naive UTC.
+    naive_utc: ClassVar[dict[str, TypeEngine[Any] | None]] = {}
 
     def load_dialect_impl(self, dialect: Dialect) -> Any:
-        if dialect.name in MARIADB_DIALECTS:
-            return dialect.type_descriptor(mysql.DATETIME(fsp=6))
-        return dialect.type_descriptor(self.impl)
+        return dialect.type_descriptor(self.naive_utc.get(dialect.name) or self.impl)
 
     def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
         if value is None:
@@ -102,8 +101,7 @@ class UTCDateTime(TypeDecorator[datetime]):
         if value.tzinfo is None:
             raise ValueError("taskguard stores timezone-aware datetimes only")
         value = value.astimezone(timezone.utc)
-        naive = dialect.name == "sqlite" or dialect.name in MARIADB_DIALECTS
-        return value.replace(tzinfo=None) if naive else value
+        return value.replace(tzinfo=None) if dialect.name in self.naive_utc else value
 
     def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
         if value is None:

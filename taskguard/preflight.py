@@ -23,20 +23,15 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.pool import NullPool
 
 from taskguard import schema
-from taskguard.dialects import dialect_for
+from taskguard.dialects import dialect_for, dialect_for_url
+from taskguard.dialects.base import ErrorKind
 from taskguard.exceptions import ConfigurationError, TaskGuardError
+from taskguard.store.errors import translate_error
 from taskguard.urls import mask_url, parse_url
 
 __all__ = ["CheckResult", "check_database"]
 
 log = logging.getLogger("taskguard")
-
-#: (object, kind, privileges) the lock statements need; see docs/reliability.md,
-#: "Least privilege". The history table and its sequence are opt-in: not checked.
-_PG_PRIVILEGES = (
-    ("task_locks", "table", "SELECT, INSERT, UPDATE, DELETE"),
-    ("task_locks_token_seq", "sequence", "USAGE"),
-)
 
 
 @dataclass
@@ -70,17 +65,16 @@ def check_database(url_or_engine: str | URL | Engine, *, timeout: float = 5.0) -
         result = CheckResult(mask_url(url_or_engine))
         try:
             parsed = parse_url(url_or_engine)
-            connect_args = dialect_for(parsed.get_backend_name()).connect_args(parsed)
+            # Not a database taskguard knows, or a driver it does not support here.
+            connect_args = dialect_for_url(parsed).connect_args(parsed)
             if "connect_timeout" in connect_args:
                 connect_args["connect_timeout"] = max(1, round(timeout))
             engine = create_engine(parsed, connect_args=connect_args, poolclass=NullPool)
-        except ConfigurationError as exc:  # unparseable, or not a database taskguard knows
+        except ConfigurationError as exc:
             result.problems.append(str(exc))
             return result
         except (sa_exc.ArgumentError, ImportError) as exc:
-            result.problems.append(
-                f"cannot use this database URL: {exc} (for PostgreSQL use postgresql+psycopg://)"
-            )
+            result.problems.append(f"cannot use this database URL: {exc}")
             return result
         owned = True
         result.url = mask_url(parsed)
@@ -94,15 +88,24 @@ def check_database(url_or_engine: str | URL | Engine, *, timeout: float = 5.0) -
 
 def _check(engine: Engine, result: CheckResult) -> None:
     try:
+        dialect = dialect_for(engine.dialect.name)
         with engine.connect() as conn:
             conn.execute(text("SELECT 1"))
+        dialect.check_server(engine.dialect)  # e.g. a MySQL server where MariaDB is needed
+    except ConfigurationError as exc:
+        result.problems.append(str(exc))
+        return
     except sa_exc.DBAPIError as exc:
+        kind = dialect.classify(exc, str(exc.orig))
+        if kind in (ErrorKind.LOGIN, ErrorKind.NO_DATABASE):  # a server refused us: the URL
+            result.problems.append(str(translate_error(exc, result.url, dialect, sent=False)))
+            return
         first = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
         result.problems.append(f"database unreachable: {first} (check the URL, network, server)")
         result.unreachable = True
         return
     try:
-        applied = schema.current(engine)
+        state = schema.installed(engine)
     except TaskGuardError as exc:  # already one line naming the fix (e.g. a privilege)
         result.problems.append(str(exc))
         return
@@ -111,30 +114,17 @@ def _check(engine: Engine, result: CheckResult) -> None:
         result.problems.append(f"cannot read taskguard's schema version: {first}")
         return
     head = schema.head()
-    result.schema_revision = ", ".join(applied) or "base"
-    if applied != [head]:
-        state = "not installed" if not applied else f"at {result.schema_revision}"
+    result.schema_revision = ", ".join(state.revisions) or "base"
+    if state.revisions != [head]:
+        where = f" in {state.where}" if state.revisions else ""
+        status = "not installed" if not state.revisions else f"at {result.schema_revision}{where}"
         result.problems.append(
-            f"taskguard's schema is {state}, this taskguard needs {head}: run "
-            "`taskguard db upgrade --database-url ...` (as the schema owner)"
+            f"taskguard's schema is {status}, this taskguard needs {head}: run "
+            f"{state.upgrade_command()}"
         )
         return
-    if engine.dialect.name == "postgresql":
-        _check_pg_privileges(engine, result)
-
-
-def _check_pg_privileges(engine: Engine, result: CheckResult) -> None:
-    missing: list[str] = []
     with engine.connect() as conn:
-        for name, kind, privileges in _PG_PRIVILEGES:
-            fn = "has_table_privilege" if kind == "table" else "has_sequence_privilege"
-            for privilege in privileges.split(", "):
-                allowed = conn.execute(
-                    text(f"SELECT {fn}(CAST(:name AS text), CAST(:priv AS text))"),
-                    {"name": name, "priv": privilege},
-                ).scalar()
-                if not allowed:
-                    missing.append(f"{privilege} on {kind} {name}")
+        missing = dialect.missing_privileges(conn)
     if missing:
         result.problems.append(
             f"the role lacks {', '.join(missing)}: GRANT them (docs/reliability.md, "

@@ -1,21 +1,24 @@
 """Schema management: taskguard's Alembic migrations, applied to an existing database.
 
 ``taskguard db upgrade`` (and :func:`upgrade`) keep their own version table,
-``taskguard_alembic_version``; an application's ``alembic_version`` is never read
-or written. Alternatively an application can add :func:`versions_dir` to its own
-``version_locations`` (the revisions carry the branch label ``taskguard``).
+``taskguard_alembic_version``; they never write an application's
+``alembic_version``. Alternatively an application can add :func:`versions_dir` to
+its own ``version_locations`` (the revisions carry the branch label
+``taskguard``). :func:`installed` reads which revision is applied, wherever it is
+recorded.
 """
 
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import URL, Connection, Engine, create_engine
 
-from taskguard.dialects import dialect_for
+from taskguard.dialects import dialect_for, dialect_for_url
 from taskguard.exceptions import ConfigurationError
 from taskguard.models import (
     HELD_VIEW,
@@ -37,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BRANCH_LABEL",
     "TASKGUARD_OBJECTS",
+    "Installed",
     "alembic_config",
     "check_supported",
     "current",
@@ -44,7 +48,7 @@ __all__ = [
     "exclude_taskguard_objects",
     "head",
     "include_taskguard_object",
-    "managed_by_application",
+    "installed",
     "migrations_dir",
     "sql",
     "upgrade",
@@ -52,8 +56,6 @@ __all__ = [
 ]
 
 BRANCH_LABEL = "taskguard"
-#: Oldest MariaDB with everything the lock SQL uses (sequences, INSERT … RETURNING, JSON_TABLE).
-MARIADB_MIN = (10, 6)
 #: Every database object taskguard's migrations create.
 TASKGUARD_OBJECTS = frozenset(
     {LOCKS_TABLE, HELD_VIEW, TOKEN_SEQUENCE, SQLITE_TOKEN_TABLE, VERSION_TABLE, "task_lock_events"}
@@ -102,25 +104,10 @@ def exclude_taskguard_objects(
 
 
 def check_supported(conn: Connection) -> None:
-    """Raise :class:`ConfigurationError` unless taskguard supports this database.
-    Called before Alembic creates its version table, so a refusal leaves nothing behind."""
-    dialect = conn.dialect
-    if dialect.name in ("postgresql", "sqlite"):
-        return
-    if dialect.name in ("mysql", "mariadb"):
-        version = tuple(dialect.server_version_info or ())
-        mariadb = bool(getattr(dialect, "is_mariadb", False))
-        if mariadb and version >= MARIADB_MIN:
-            return
-        raise ConfigurationError(
-            f"taskguard needs MariaDB 10.6 or newer; this server is "
-            f"{'MariaDB' if mariadb else 'MySQL'} {'.'.join(map(str, version))} "
-            "(MySQL has no sequences for fencing tokens)"
-        )
-    raise ConfigurationError(
-        f"taskguard supports postgresql, sqlite and mariadb, not {dialect.name}: "
-        "point --database-url at one of those"
-    )
+    """Raise :class:`ConfigurationError` unless taskguard supports this database
+    (the registry's dialect for it accepts the server it reached). Called before
+    Alembic creates its version table, so a refusal leaves nothing behind."""
+    dialect_for(conn.dialect.name).check_server(conn.dialect)
 
 
 def alembic_config(url: str | URL | None = None, *, stdout: Any = None) -> Config:
@@ -141,12 +128,13 @@ def alembic_config(url: str | URL | None = None, *, stdout: Any = None) -> Confi
 def _engine(url_or_engine: str | URL | Engine) -> tuple[Engine, bool]:
     if isinstance(url_or_engine, Engine):
         return url_or_engine, False
+    parsed = parse_url(url_or_engine)
     try:
-        parsed = parse_url(url_or_engine)
-        try:
-            connect_args = dialect_for(parsed.get_backend_name()).connect_args(parsed)
-        except ConfigurationError:
-            connect_args = {}  # not a lock database taskguard knows: let SQLAlchemy say so
+        # Unknown databases and unsupported or missing drivers: one line naming the fix.
+        connect_args = dialect_for_url(parsed).connect_args(parsed)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"cannot use database URL {mask_url(parsed)!r}: {exc}") from None
+    try:
         return create_engine(parsed, connect_args=connect_args), True
     except Exception as exc:
         raise ConfigurationError(
@@ -187,14 +175,52 @@ def downgrade(url_or_engine: str | URL | Engine, revision: str = "base") -> None
 
 
 def current(url_or_engine: str | URL | Engine) -> list[str]:
-    """Revisions applied to the database (empty if none), from taskguard's own version table."""
+    """Revisions applied to the database (empty if none), wherever they are kept:
+    :func:`installed` ``.revisions``."""
+    return installed(url_or_engine).revisions
+
+
+@dataclass(frozen=True)
+class Installed:
+    """Where taskguard's schema revision is recorded, and which it is: the one
+    reading ``taskguard check``, a worker's start-up check, ``taskguard db`` and
+    ``manage.py migrate`` share (docs/alembic.md's two ways, and the switch)."""
+
+    #: taskguard's revisions applied (empty: not installed).
+    revisions: list[str]
+    #: ``True``: recorded in the application's own ``alembic_version`` (way 2);
+    #: ``False``: in taskguard's ``taskguard_alembic_version`` (way 1), or nowhere.
+    by_application: bool = False
+
+    @property
+    def where(self) -> str:
+        """The version table, for messages."""
+        return "your application's alembic_version" if self.by_application else VERSION_TABLE
+
+    def upgrade_command(self) -> str:
+        """What brings this schema to the head revision, for a one-line message."""
+        if self.by_application:
+            return "`alembic upgrade heads` (your application's Alembic manages it)"
+        return "`taskguard db upgrade --database-url ...` (as the schema owner)"
+
+
+def installed(url_or_engine: str | URL | Engine) -> Installed:
+    """taskguard's applied revisions: from its own version table (way 1 of
+    docs/alembic.md), else from the application's ``alembic_version`` when
+    taskguard's revisions are part of the application's history (way 2)."""
     from alembic.runtime.migration import MigrationContext
 
     engine, owned = _engine(url_or_engine)
     try:
         with engine.connect() as conn:
             ctx = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
-            return sorted(ctx.get_current_heads())
+            own = sorted(ctx.get_current_heads())
+            if own:
+                return Installed(own)
+            # The default version table: alembic_version.
+            theirs = set(MigrationContext.configure(conn).get_current_heads())
+            mine = sorted(theirs & _revisions()) if theirs else []
+            return Installed(mine, by_application=bool(mine))
     except Exception as exc:
         raise translate_error(exc, mask_url(engine.url)) from exc
     finally:
@@ -202,24 +228,11 @@ def current(url_or_engine: str | URL | Engine) -> list[str]:
             engine.dispose()
 
 
-def managed_by_application(url_or_engine: str | URL | Engine) -> list[str]:
-    """taskguard's revisions recorded in the application's own ``alembic_version``
-    (way 2 of docs/alembic.md: taskguard's revisions in the application's history);
-    empty when taskguard's schema is not managed there."""
-    from alembic.runtime.migration import MigrationContext
+def _revisions() -> set[str]:
+    """Every revision id shipped with this version of taskguard."""
     from alembic.script import ScriptDirectory
 
-    ours = {rev.revision for rev in ScriptDirectory.from_config(alembic_config()).walk_revisions()}
-    engine, owned = _engine(url_or_engine)
-    try:
-        with engine.connect() as conn:
-            ctx = MigrationContext.configure(conn)  # the default table: alembic_version
-            return sorted(set(ctx.get_current_heads()) & ours)
-    except Exception as exc:
-        raise translate_error(exc, mask_url(engine.url)) from exc
-    finally:
-        if owned:
-            engine.dispose()
+    return {rev.revision for rev in ScriptDirectory.from_config(alembic_config()).walk_revisions()}
 
 
 def head() -> str:

@@ -9,12 +9,17 @@ Fixtures:
 ``taskguard_database_url``
     A migrated lock database private to the test: a SQLite file by default, or a
     fresh PostgreSQL database when ``--taskguard-server=postgresql+psycopg://…``
-    (or ``$TASKGUARD_TEST_SERVER``) names a server to create it on.
+    (or ``$TASKGUARD_TEST_SERVER``) names a server to create it on. Its databases
+    are named ``<prefix>tpl_<hex>`` (the session's migrated template) and
+    ``<prefix><hex>`` (one per test); the prefix is ``tg_`` unless
+    ``--taskguard-db-prefix`` (or ``taskguard_db_prefix`` in the ini file, or
+    ``$TASKGUARD_TEST_DB_PREFIX``) says otherwise.
 ``taskguard_guard``
     A :class:`~taskguard.TaskGuard` on that database.
 ``taskguard_locks``
     :class:`LockChecker`: ``assert_held(key)``, ``assert_free(key)``, and
-    ``use_for(celery_app)`` to point an app's guarded tasks at the database.
+    ``use_for(celery_app)`` to point an app's guarded tasks at the database until
+    the test ends (then the app's ``taskguard_database_url`` is what it was).
 ``taskguard_off``
     Locking off for one test (see below).
 
@@ -31,9 +36,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +71,10 @@ __all__ = [
 ]
 
 _SERVER_ENV = "TASKGUARD_TEST_SERVER"
+_PREFIX_ENV = "TASKGUARD_TEST_DB_PREFIX"
+#: Letters, digits and _; short enough that <prefix>tpl_<10 hex> fits PostgreSQL's 63.
+_PREFIX = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,47}")
+_URL_SETTING = "taskguard_database_url"
 
 
 # -- assertions ------------------------------------------------------------------------
@@ -107,6 +117,7 @@ class LockChecker:
     def __init__(self, guard: TaskGuard, url: str) -> None:
         self.guard = guard
         self.url = url
+        self._undo: list[Callable[[], None]] = []
 
     def assert_held(
         self, key: str, *, task_name: str | None = None, slots: int | None = None
@@ -119,8 +130,25 @@ class LockChecker:
         assert_free(self.guard, key)
 
     def use_for(self, app: Any) -> None:
-        """Point ``app``'s guarded tasks at this database (until the test ends)."""
-        app.conf.taskguard_database_url = self.url
+        """Point ``app``'s guarded tasks at this database until the test ends; then
+        ``app.conf.taskguard_database_url`` is what it was before (see :meth:`restore`)."""
+        conf = app.conf
+        present, before = _URL_SETTING in conf, conf.get(_URL_SETTING)
+
+        def undo() -> None:
+            if present:
+                conf[_URL_SETTING] = before
+            else:
+                conf.pop(_URL_SETTING, None)
+
+        self._undo.append(undo)
+        conf[_URL_SETTING] = self.url
+        config.reset_guards()
+
+    def restore(self) -> None:
+        """Undo every :meth:`use_for`, newest first (the fixture does it after the test)."""
+        while self._undo:
+            self._undo.pop()()
         config.reset_guards()
 
 
@@ -142,6 +170,22 @@ def _create_database(server: str, name: str, template: str | None = None) -> str
     finally:
         engine.dispose()
     return make_url(server).set(database=name).render_as_string(hide_password=False)
+
+
+def _prefix(config: pytest.Config) -> str:
+    """The names' prefix (``--taskguard-db-prefix``, the ini, the environment, ``tg_``)."""
+    prefix = (
+        config.getoption("taskguard_db_prefix")
+        or str(config.getini("taskguard_db_prefix") or "")
+        or os.environ.get(_PREFIX_ENV)
+        or "tg_"
+    )
+    if not _PREFIX.fullmatch(prefix):
+        raise pytest.UsageError(
+            f"--taskguard-db-prefix {prefix!r}: use up to 48 letters, digits and _, not "
+            "starting with a digit (the test kit's database names start with it)"
+        )
+    return prefix
 
 
 def _drop_database(server: str, name: str) -> None:
@@ -166,15 +210,24 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="PostgreSQL server URL on which taskguard_database_url creates a throwaway "
         f"database per test (default: ${_SERVER_ENV}, else a SQLite file).",
     )
+    group.addoption(
+        "--taskguard-db-prefix",
+        default=None,
+        metavar="PREFIX",
+        help="Start the names of the databases the kit creates on --taskguard-server with "
+        f"PREFIX (default: the ini's taskguard_db_prefix, ${_PREFIX_ENV}, else tg_).",
+    )
     parser.addini(
         "taskguard_locking", "'off' turns taskguard's locking off for the whole run", default=""
     )
+    parser.addini("taskguard_db_prefix", "prefix of the databases the test kit creates", default="")
 
 
 _session_off: list[contextlib.ExitStack] = []
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    _prefix(config)  # a bad prefix stops the run before any test
     if locking_off_requested(str(config.getini("taskguard_locking") or "")):
         stack = contextlib.ExitStack()
         stack.enter_context(locking_disabled())
@@ -197,7 +250,7 @@ def _taskguard_template(
         schema.upgrade(f"sqlite:///{path}")
         yield str(path)
         return
-    name = f"tg_tpl_{uuid.uuid4().hex[:10]}"
+    name = f"{_prefix(request.config)}tpl_{uuid.uuid4().hex[:10]}"
     url = _create_database(server, name)
     schema.upgrade(url)
     yield url
@@ -205,7 +258,9 @@ def _taskguard_template(
 
 
 @pytest.fixture
-def taskguard_database_url(_taskguard_template: str, tmp_path: Path) -> Iterator[str]:
+def taskguard_database_url(
+    _taskguard_template: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[str]:
     """URL of a migrated lock database private to this test."""
     if "://" not in _taskguard_template:
         path = tmp_path / "taskguard-locks.sqlite"
@@ -213,7 +268,7 @@ def taskguard_database_url(_taskguard_template: str, tmp_path: Path) -> Iterator
         yield f"sqlite:///{path}"
         return
     template = make_url(_taskguard_template)
-    name = f"tg_{uuid.uuid4().hex[:12]}"
+    name = f"{_prefix(request.config)}{uuid.uuid4().hex[:12]}"
     url = _create_database(_taskguard_template, name, template=str(template.database))
     yield url
     _drop_database(_taskguard_template, name)
@@ -231,9 +286,11 @@ def taskguard_guard(taskguard_database_url: str) -> Iterator[TaskGuard]:
 def taskguard_locks(
     taskguard_guard: TaskGuard, taskguard_database_url: str
 ) -> Iterator[LockChecker]:
-    """:class:`LockChecker` on the test's lock database."""
-    yield LockChecker(taskguard_guard, taskguard_database_url)
-    config.reset_guards()
+    """:class:`LockChecker` on the test's lock database; what its ``use_for`` changed
+    is undone after the test (before the database goes)."""
+    checker = LockChecker(taskguard_guard, taskguard_database_url)
+    yield checker
+    checker.restore()
 
 
 @pytest.fixture

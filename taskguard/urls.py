@@ -3,12 +3,14 @@ for logs and errors. Imports nothing from the package but the exceptions."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import URL, make_url
 from sqlalchemy import exc as sa_exc
 
 from taskguard.exceptions import ConfigurationError
 
-__all__ = ["mask_url", "parse_url"]
+__all__ = ["mask_url", "parse_url", "url_source"]
 
 #: Query parameters that carry a secret (libpq and psycopg accept the password there too).
 _SECRET_PARAMS = frozenset({"password", "passwd", "pass", "sslpassword", "sslkey_password"})
@@ -45,3 +47,14 @@ def parse_url(url: str | URL) -> URL:
         # `postgres` plugin, or default to psycopg2, which taskguard does not use.
         parsed = parsed.set(drivername="postgresql+psycopg")
     return parsed
+
+
+def url_source(value: Any) -> Any:
+    """What ``TaskGuard(...)`` is given, as its engine needs it: a str, URL or Engine
+    as it is; an object that renders itself as a URL, such as the Django app's
+    ``DjangoDatabaseURL`` in ``app.conf.taskguard_database_url``, as its ``str()``
+    (read once, now). Anything else is left for the engine to refuse."""
+    renders: Any = type(value).__str__
+    if isinstance(value, str | URL) or renders is object.__str__:
+        return value
+    return str(value)

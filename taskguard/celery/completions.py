@@ -31,6 +31,7 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from taskguard import signals
 from taskguard.celery.taskids import stored_task_id
+from taskguard.companions import FINISHED_PREFIX
 from taskguard.config import setting
 from taskguard.guard import TaskGuard
 from taskguard.keys import normalize_key, validate_ttl
@@ -51,7 +52,7 @@ __all__ = [
 log = logging.getLogger("taskguard.celery")
 
 #: Key prefix of the records (no task's own key should start with it).
-PREFIX = "taskguard:finished:"
+PREFIX = FINISHED_PREFIX
 
 
 def finished_key(task_id: str) -> str:

@@ -11,6 +11,7 @@ from taskguard.celery.keys import KeyOption
 from taskguard.celery.options import (
     ATTR_PREFIX,
     GuardOptions,
+    check_celery_options,
     option_defaults,
     signature_of,
     split_options,
@@ -114,7 +115,9 @@ def guarded_task(
     The options are the fields of :class:`~taskguard.celery.options.GuardOptions`.
 
     Options are checked here: a bad value raises :class:`ConfigurationError` naming
-    the task and the option when the module is imported.
+    the task and the option when the module is imported, and so does a name that is
+    neither taskguard's nor Celery's but one edit or two away from one (``tll=60``:
+    "did you mean ttl="). Other names pass, as Celery makes them task attributes.
     """
     base = options.pop("base", None) or GuardedTask
     if not (isinstance(base, type) and issubclass(base, GuardedTask)):
@@ -128,6 +131,7 @@ def guarded_task(
         if not callable(func):
             raise ConfigurationError(f"@guarded_task must decorate a function, not {func!r}")
         name = options.get("name") or f"{func.__module__}.{func.__name__}"
+        check_celery_options(name, options, base)  # a misspelled option (tll=60)
         GuardOptions.build(name, signature_of(func, bind=bool(options.get("bind"))), **ours)
         attrs = {ATTR_PREFIX + k: v for k, v in ours.items()}
         if app is not None:

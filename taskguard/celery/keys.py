@@ -124,6 +124,10 @@ class _TemplateFormatter(string.Formatter):
 _FORMATTER = _TemplateFormatter()
 
 
+def _name_of(func: Callable[..., Any]) -> str:
+    return str(getattr(func, "__name__", None) or func)
+
+
 def _field_root(field: str) -> str:
     for i, ch in enumerate(field):
         if ch in ".[":
@@ -169,6 +173,7 @@ class KeyDeriver:
             self._check_template(key)
         elif callable(key):
             self.func = key
+            self._check_callable(key)
         elif key is not None:
             raise ConfigurationError(
                 f"task {task_name}: key= must be a template string or a callable, "
@@ -202,6 +207,33 @@ class KeyDeriver:
             f"of the task (its arguments: {known})"
         )
 
+    def _key_signature(self) -> inspect.Signature | None:
+        try:
+            return inspect.signature(self.func) if self.func is not None else None
+        except (TypeError, ValueError):  # e.g. some builtins: nothing to check
+            return None
+
+    def _check_callable(self, func: Callable[..., Any]) -> None:
+        """``key=func`` is called like the task (every argument, defaults filled in):
+        refuse a function that cannot take the task's arguments, now."""
+        sig = self._key_signature()
+        if sig is None:
+            return
+        params = self.signature.parameters.values()
+        given = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        named = {p.name: None for p in params if p.kind is p.KEYWORD_ONLY}
+        # A task's *args / **kwargs may bring more at call time: then only what cannot
+        # fit any call is refused here (too many arguments, an unknown name).
+        varying = any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params)
+        try:
+            (sig.bind_partial if varying else sig.bind)(*(None for _ in given), **named)
+        except TypeError as exc:
+            raise ConfigurationError(
+                f"task {self.task_name}: key callable {_name_of(func)}{sig} cannot take the "
+                f"task's arguments {self.signature} ({exc}); it is called with every "
+                "argument of the task, defaults filled in"
+            ) from None
+
     def _check_template(self, template: str) -> None:
         try:
             fields = list(_FORMATTER.parse(template))
@@ -232,6 +264,22 @@ class KeyDeriver:
         bound.apply_defaults()
         return bound
 
+    def _call_key(self, bound: Any) -> Any:
+        assert self.func is not None
+        try:
+            return self.func(*bound.args, **bound.kwargs)
+        except TypeError as exc:
+            sig = self._key_signature()
+            try:
+                if sig is not None:
+                    sig.bind(*bound.args, **bound.kwargs)
+            except TypeError:  # the call does not fit (extra *args or **kwargs)
+                raise ConfigurationError(
+                    f"task {self.task_name}: key callable {_name_of(self.func)}{sig} cannot "
+                    f"take this call's arguments ({exc})"
+                ) from None
+            raise  # raised inside the key callable: the user's own error
+
     def _named(self, bound: Any) -> dict[str, Any]:
         named = dict(bound.arguments)
         if self._var_kw is not None:
@@ -245,7 +293,7 @@ class KeyDeriver:
         bound = self.bind(args, kwargs)
         try:
             if self.func is not None:
-                raw = self.func(*bound.args, **bound.kwargs)
+                raw = self._call_key(bound)
                 if not isinstance(raw, str):
                     raise InvalidKey(
                         f"task {self.task_name}: key callable returned "

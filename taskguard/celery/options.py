@@ -9,6 +9,7 @@ names for type checkers; a unit test keeps it equal to the fields.)
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import math
 from collections.abc import Callable, Mapping
@@ -24,11 +25,13 @@ from taskguard.keys import validate_limit, validate_ttl
 
 __all__ = [
     "ATTR_PREFIX",
+    "CELERY_OPTIONS",
     "CONFLICT_STRATEGIES",
     "LOCK_PHASES",
     "OPTION_NAMES",
     "GuardOptions",
     "build_options",
+    "check_celery_options",
     "option_defaults",
     "signature_of",
     "split_options",
@@ -200,6 +203,61 @@ OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(GuardOptions) if "c
 _DEFAULTS: dict[str, Any] = {
     f.name: f.default for f in fields(GuardOptions) if f.name in OPTION_NAMES
 }
+
+
+#: Celery's task decorator options that are not attributes of its Task class (those
+#: are read from the class itself: see :func:`check_celery_options`), and the message
+#: options ``apply_async`` reads from task attributes.
+CELERY_OPTIONS = frozenset(
+    {
+        "shared", "filter", "lazy", "base", "bind", "pydantic", "pydantic_strict",
+        "pydantic_context", "pydantic_dump_kwargs", "autoretry_for", "dont_autoretry_for",
+        "retry_kwargs", "retry_backoff", "retry_backoff_max", "retry_jitter",
+        "queue", "routing_key", "exchange", "delivery_mode", "compression",
+        "immediate", "mandatory",
+    }
+)  # fmt: skip
+
+
+def _distance(a: str, b: str) -> int:
+    """Edits (insert, delete, replace, swap two neighbours) from ``a`` to ``b``."""
+    prev2: list[int] = []
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        row = [i]
+        for j, cb in enumerate(b, 1):
+            cost = min(prev[j] + 1, row[j - 1] + 1, prev[j - 1] + (ca != cb))
+            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                cost = min(cost, prev2[j - 2] + 1)
+            row.append(cost)
+        prev2, prev = prev, row
+    return prev[-1]
+
+
+def check_celery_options(task_name: str, options: Mapping[str, Any], task_class: type) -> None:
+    """Refuse a keyword argument of ``@guarded_task`` that is neither taskguard's
+    nor Celery's but looks like a misspelling of one (``tll=60``), naming the nearest.
+    Names unlike any option pass: Celery makes them task attributes, and users
+    rely on that for attributes of their own."""
+    ours = set(OPTION_NAMES)
+    attributes = {n for n in dir(task_class) if not n.startswith("_")}
+    # What a misspelling may be of: options, not methods (``s``, ``map``, ``retry``).
+    settable = {n for n in attributes if not callable(getattr(task_class, n, None))}
+    for name in options:
+        if name in ours or name in CELERY_OPTIONS or name in attributes or len(name) < 3:
+            continue
+        candidates = ours | settable | CELERY_OPTIONS
+        score, nearest = min((_distance(name, known), known) for known in candidates)
+        alike = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.8)
+        # One edit for short names, two for longer ones (``on_confict``, ``acks_lat``),
+        # or most of the letters in order (``max_retry``).
+        if score <= (1 if len(nearest) <= 5 else 2) or alike:
+            nearest = nearest if score <= 2 else alike[0]
+            whose = "a taskguard option" if nearest in ours else "a Celery task option"
+            raise ConfigurationError(
+                f"task {task_name}: unknown option {name}={options[name]!r}: did you mean "
+                f"{nearest}= ({whose})?"
+            )
 
 
 def option_defaults() -> dict[str, Any]:

@@ -14,7 +14,8 @@ returns, and what chained callbacks receive) is a plain dict::
     }
 
 It is a plain dict so it survives any result serializer. Test with
-:func:`is_skipped`; the Celery state of such a result is ``SUCCESS``.
+:func:`is_skipped` (on the value, or on the ``AsyncResult`` of a finished task);
+the Celery state of such a result is ``SUCCESS``.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ import logging
 from typing import Any
 
 from celery import states as celery_states
-from celery.result import EagerResult
+from celery.result import AsyncResult, EagerResult
 
+from taskguard.exceptions import InvalidArgument
 from taskguard.lease import LockInfo
 
 __all__ = ["MARKER", "SKIPPED", "is_skipped", "marker_in_hand", "skipped_result"]
@@ -52,8 +54,24 @@ def skipped_result(
 
 
 def is_skipped(value: object) -> bool:
-    """Whether ``value`` (a task's return value or ``AsyncResult.get()``) is the
-    result of a run skipped because its lock was held."""
+    """Whether ``value`` is the result of a run skipped because its lock was held:
+    a task's return value, ``AsyncResult.get()``, or the ``AsyncResult`` itself
+    (what ``.delay()`` returns) once the task has finished. An ``AsyncResult`` of a
+    task still queued or running cannot tell yet: :class:`~taskguard.InvalidArgument`
+    says so (``is_skipped(result.get())`` waits for it)."""
+    if isinstance(value, AsyncResult):
+        try:
+            state = str(value.state)
+        except NotImplementedError:  # no result backend: nothing to read
+            state = "unknown: the app has no result backend"
+        if state not in celery_states.READY_STATES:
+            raise InvalidArgument(
+                f"is_skipped(): task {value.id} has not finished (state {state}), so "
+                "whether it was skipped is not known yet; pass result.get() to wait for it",
+                "value",
+                value,
+            )
+        value = value.result
     return isinstance(value, dict) and value.get(MARKER) == SKIPPED
 
 

@@ -14,7 +14,7 @@ import click
 
 from taskguard.cli import cli
 from taskguard.cli.errors import EXIT_USAGE, fail
-from taskguard.cli.root import CONTEXT_SETTINGS, celery_app
+from taskguard.cli.root import CONTEXT_SETTINGS, celery_app, quiet_library_logs
 
 __all__ = ["taskguard_command"]
 
@@ -36,3 +36,4 @@ def taskguard_command(ctx: click.Context) -> None:
     """taskguard lock tools, using this Celery app's taskguard settings."""
     if celery_app(ctx) is None:
         fail("no Celery app: run as `celery -A proj taskguard ...`", EXIT_USAGE)
+    quiet_library_logs()

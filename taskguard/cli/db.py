@@ -21,19 +21,15 @@ def _own_heads(url: str) -> list[str]:
     application's own Alembic manages taskguard's schema instead (``taskguard db``
     would then try to create tables that exist)."""
     with failing_as_one_line(url):
-        heads = schema.current(url)
-        managed = [] if heads else schema.managed_by_application(url)
-    if managed:
-        fail(_managed_there(managed), EXIT_USAGE)
-    return heads
-
-
-def _managed_there(revisions: list[str]) -> str:
-    return (
-        f"taskguard's schema is managed by your application's Alembic (its alembic_version "
-        f"holds {', '.join(revisions)}): run `alembic upgrade heads` there instead of "
-        "`taskguard db` (docs/alembic.md, way 2)"
-    )
+        state = schema.installed(url)
+    if state.by_application:
+        fail(
+            f"taskguard's schema is managed by your application's Alembic (its alembic_version "
+            f"holds {', '.join(state.revisions)}): run `alembic upgrade heads` there instead of "
+            "`taskguard db` (docs/alembic.md, way 2)",
+            EXIT_USAGE,
+        )
+    return state.revisions
 
 
 @db.command()
@@ -43,11 +39,11 @@ def _managed_there(revisions: list[str]) -> str:
 def upgrade(ctx: click.Context, database_url: str | None, revision: str) -> None:
     """Apply migrations up to REVISION (default: the newest). Safe to re-run."""
     url = resolve_url(ctx, database_url)
-    _own_heads(url)
+    before = _own_heads(url)
     with failing_as_one_line(url):
         schema.upgrade(url, revision)
         heads = schema.current(url)
-    click.echo(f"{mask_url(url)}: taskguard schema at {', '.join(heads) or 'base'}")
+    _report(url, before, heads)
 
 
 @db.command()
@@ -58,13 +54,22 @@ def upgrade(ctx: click.Context, database_url: str | None, revision: str) -> None
 def downgrade(ctx: click.Context, database_url: str | None, revision: str, yes: bool) -> None:
     """Revert migrations down to REVISION (default: base, which drops task_locks)."""
     url = resolve_url(ctx, database_url)
-    _own_heads(url)
+    before = _own_heads(url)
     if revision == "base" and not yes:
         click.confirm(f"Drop taskguard's tables from {mask_url(url)}?", abort=True)
     with failing_as_one_line(url):
         schema.downgrade(url, revision)
         heads = schema.current(url)
-    click.echo(f"{mask_url(url)}: taskguard schema at {', '.join(heads) or 'base'}")
+    _report(url, before, heads)
+
+
+def _report(url: str, before: list[str], after: list[str]) -> None:
+    """One line: what changed, or that nothing needed to."""
+    was, now = ", ".join(before) or "base", ", ".join(after) or "base"
+    if before == after:
+        click.echo(f"{mask_url(url)}: taskguard schema already at {now}; nothing to do")
+    else:
+        click.echo(f"{mask_url(url)}: taskguard schema {was} -> {now}")
 
 
 @db.command()
@@ -74,18 +79,12 @@ def current(ctx: click.Context, database_url: str | None) -> None:
     """Print the applied revision (or 'base') and the newest available."""
     url = resolve_url(ctx, database_url)
     with failing_as_one_line(url):
-        heads = schema.current(url)
-        managed = [] if heads else schema.managed_by_application(url)
+        state = schema.installed(url)
     newest = schema.head()
-    if managed:
-        state = "up to date" if managed == [newest] else f"newest is {newest}"
-        click.echo(
-            f"{', '.join(managed)} ({state}; managed by your application's Alembic: "
-            "alembic upgrade heads)"
-        )
-        return
-    state = "up to date" if heads == [newest] else f"newest is {newest}"
-    click.echo(f"{', '.join(heads) or 'base'} ({state})")
+    status = "up to date" if state.revisions == [newest] else f"newest is {newest}"
+    if state.by_application:
+        status += "; managed by your application's Alembic: alembic upgrade heads"
+    click.echo(f"{', '.join(state.revisions) or 'base'} ({status})")
 
 
 @db.command("sql")

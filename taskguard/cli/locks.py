@@ -16,7 +16,7 @@ import click
 
 from taskguard.cli.errors import EXIT_NOT_FOUND, EXIT_USAGE, OneLineUsage, fail
 from taskguard.cli.root import celery_app, database_url_option, main_group, open_guard
-from taskguard.companions import describe_companions
+from taskguard.companions import ROLES, companion_key, describe_companions
 from taskguard.config import setting
 from taskguard.display import format_duration, lock_details, locks_table, printable
 from taskguard.guard import TaskGuard
@@ -36,7 +36,12 @@ def _json(infos: Sequence[LockInfo]) -> str:
 @database_url_option
 @click.option("--prefix", "-p", default=None, metavar="P", help="Only keys starting with P.")
 @click.option(
-    "--all", "-a", "include_expired", is_flag=True, help="Also expired rows not yet reaped."
+    "--all",
+    "-a",
+    "show_all",
+    is_flag=True,
+    help="Every row: also expired rows not yet reaped, and the Celery glue's companion rows "
+    "(finished runs' records taskguard:finished:<id>, <key>#pending/#rate/#debounce).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array (one object per row).")
 @click.option(
@@ -51,20 +56,21 @@ def locks(
     ctx: click.Context,
     database_url: str | None,
     prefix: str | None,
-    include_expired: bool,
+    show_all: bool,
     as_json: bool,
     limit: int,
 ) -> None:
-    """List live leases (with --all, also expired rows the reaper has not removed yet)."""
+    """List held locks (with --all, every row: expired ones the reaper has not removed
+    yet, and companion rows such as finished runs' records)."""
     with open_guard(ctx, database_url) as guard:
-        infos = guard.held(prefix, include_expired=include_expired, limit=limit)
+        infos = guard.held(prefix, include_expired=show_all, companions=show_all, limit=limit)
     if as_json:
         click.echo(_json(infos))
     elif not infos:
         scope = f" with prefix {prefix!r}" if prefix else ""
-        click.echo(f"no {'lock rows' if include_expired else 'locks held'}{scope}")
+        click.echo(f"no {'lock rows' if show_all else 'locks held'}{scope}")
     else:
-        click.echo("\n".join(locks_table(infos, with_state=include_expired)))
+        click.echo("\n".join(locks_table(infos, with_state=show_all)))
     if len(infos) >= limit:
         click.echo(f"taskguard: showing the first {limit} rows; raise --limit for more", err=True)
 
@@ -73,14 +79,25 @@ def locks(
 @database_url_option
 @click.argument("key")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array (one object per slot).")
+@click.option(
+    "--all",
+    "-a",
+    "show_all",
+    is_flag=True,
+    help="Also KEY's companion rows (KEY#pending, KEY#rate, KEY#debounce).",
+)
 @click.pass_context
-def show(ctx: click.Context, database_url: str | None, key: str, as_json: bool) -> None:
+def show(
+    ctx: click.Context, database_url: str | None, key: str, as_json: bool, show_all: bool
+) -> None:
     """Who holds KEY: owner, token, task, host, pid, since when, until when.
 
     Exit code 1 when KEY has no row at all (with --json, a JSON error object too)."""
     with open_guard(ctx, database_url) as guard:
         infos = guard.get_all(key)
         companions = describe_companions(key, guard.get_all)  # [coalesce/rate/debounce]
+        if show_all and infos:
+            infos += [i for role in ROLES for i in guard.get_all(companion_key(key, role))]
     if not infos:
         fail(
             f"no lock row for {key!r} (never locked, or reaped after it expired)",

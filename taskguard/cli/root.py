@@ -5,6 +5,7 @@ and the :class:`TaskGuard` those two configure (built by
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -22,6 +23,7 @@ __all__ = [
     "database_url_option",
     "main_group",
     "open_guard",
+    "quiet_library_logs",
     "resolve_url",
 ]
 
@@ -35,6 +37,18 @@ CONTEXT_SETTINGS: dict[str, Any] = {"help_option_names": ["-h", "--help"]}
 @click.version_option(package_name="taskguard")
 def main_group() -> None:
     """taskguard: per-key locks for Celery tasks, kept in your SQL database."""
+    quiet_library_logs()
+
+
+def quiet_library_logs() -> None:
+    """Every command prints its own result and errors. The library's log records
+    (an operator's force release, at WARNING, for a service's log) would otherwise
+    reach the terminal a second time through Python's last-resort handler; where
+    logging is configured they still go wherever it says."""
+    if not logging.getLogger().handlers:
+        library = logging.getLogger("taskguard")
+        if not library.handlers:
+            library.addHandler(logging.NullHandler())
 
 
 def database_url_option(fn: F) -> F:

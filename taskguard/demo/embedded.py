@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,13 @@ from kombu import entity as _kombu_entity
 
 from taskguard.exceptions import ConfigurationError
 
-__all__ = ["BrokerUnavailable", "InProcessWorker", "embedded_urls", "make_app"]
+__all__ = [
+    "BrokerUnavailable",
+    "InProcessWorker",
+    "embedded_urls",
+    "make_app",
+    "require_transports",
+]
 
 log = logging.getLogger("taskguard.demo")
 
@@ -72,6 +79,33 @@ def make_app(*, broker: str, result_backend: str, database_url: str, queue: str)
         accept_content=["json"],
     )
     return app
+
+
+#: URL scheme -> what installs the modules its kombu transport or Celery backend imports.
+_EXTRAS = {
+    "redis": "pip install 'taskguard[redis]'",
+    "rediss": "pip install 'taskguard[redis]'",
+    "sentinel": "pip install 'taskguard[redis]'",
+}
+
+
+def require_transports(app: Celery) -> None:
+    """Import the broker's transport and the result backend now: a missing module
+    becomes one line naming what to install, not a traceback mid-run."""
+    loads: tuple[tuple[str, Callable[[], object]], ...] = (
+        ("broker", lambda: app.connection_for_write().transport),
+        ("result backend", lambda: app.backend),
+    )
+    for role, load in loads:
+        try:
+            load()
+        except ImportError as exc:
+            url = app.conf.broker_url if role == "broker" else app.conf.result_backend
+            scheme = str(url).split(":", 1)[0].split("+", 1)[0]
+            fix = _EXTRAS.get(scheme, f"pip install 'celery[{scheme}]'")
+            raise ConfigurationError(
+                f"the {scheme}:// {role} needs modules that are not installed ({exc}): {fix}"
+            ) from None
 
 
 def check_connections(app: Celery, timeout: float = 10.0) -> None:

@@ -33,6 +33,7 @@ from taskguard.demo.embedded import (
     delete_queue,
     embedded_urls,
     make_app,
+    require_transports,
 )
 from taskguard.demo.record import RunLog
 from taskguard.demo.show import FeedTally, feed_name, locks_table, progress_line, summary_table
@@ -150,13 +151,12 @@ def run_demo(options: DemoOptions, echo: Callable[[str], None] = print) -> DemoO
         stack.enter_context(_demo_logging(workdir / "demo.log", options.verbose))
         stack.callback(reset_guards)
 
-        schema.upgrade(database_url)
-        if options.verbose:
-            echo(f"schema: {mask_url(database_url)} at {', '.join(schema.current(database_url))}")
         queue = f"taskguard-demo-{uuid.uuid4().hex[:8]}"
         app = make_app(
             broker=broker, result_backend=result_backend, database_url=database_url, queue=queue
         )
+        require_transports(app)  # before any table is made: nothing half-done
+        _install_schema(echo, database_url, told=options.database_url is not None)
         log = RunLog()
         task = _register_task(app, log, options)
         check_connections(app)
@@ -183,6 +183,24 @@ def run_demo(options: DemoOptions, echo: Callable[[str], None] = print) -> DemoO
         elapsed = time.monotonic() - started
         return _verdict(echo, options, log, subs, total, elapsed)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _install_schema(echo: Callable[[str], None], database_url: str, *, told: bool) -> None:
+    """taskguard's tables, created or upgraded if needed; on a database the user named
+    (``--database-url``), what was done is said."""
+    before = schema.current(database_url)
+    schema.upgrade(database_url)
+    after = ", ".join(schema.current(database_url))
+    if not told:
+        return
+    where = mask_url(database_url)
+    if not before:
+        echo(f"schema: created taskguard's tables in {where} (at {after}; "
+             "`taskguard db downgrade` removes them)")  # fmt: skip
+    elif before != [after]:
+        echo(f"schema: upgraded taskguard's schema in {where} from {', '.join(before)} to {after}")
+    else:
+        echo(f"schema: {where} already at {after}")
 
 
 def _register_task(app: Celery, log: RunLog, options: DemoOptions) -> Any:

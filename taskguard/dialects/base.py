@@ -25,18 +25,20 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import importlib.util
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ClassVar, Protocol
 
-from sqlalchemy import URL, ClauseElement, ColumnElement, Engine, Executable, Table
+from sqlalchemy import URL, ClauseElement, ColumnElement, Connection, Engine, Executable, Table
 from sqlalchemy.engine import Dialect as SADialect
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import BindParameter
 from sqlalchemy.sql.selectable import SelectBase
 
 from taskguard.deadline import watchdog
+from taskguard.exceptions import ConfigurationError
 from taskguard.models import TaskLock, TaskLockEvent
 
 __all__ = [
@@ -44,6 +46,7 @@ __all__ = [
     "HOLDER_COLS",
     "RESERVE_GRACE",
     "Dialect",
+    "Driver",
     "ErrorKind",
     "Flavor",
     "Listener",
@@ -157,7 +160,8 @@ class LockSQL:
     #: A reap batch's history in a second statement (dialects without data-modifying CTEs).
     reaped_events: Statement | None
     record_event: Statement
-    record_acquired: Statement
+    #: An event ending a grant, with the holder of that grant's ``acquired`` event.
+    record_ended: Statement
     events: Statement
     trim_events: Statement
     #: ``acquire`` refused while the key ``:unless`` is held (one statement); None:
@@ -178,6 +182,10 @@ class ErrorKind(enum.Enum):
     SCHEMA_MISSING = "schema_missing"
     SCHEMA_OLD = "schema_old"
     PERMISSION = "permission"
+    #: The server refused the login (wrong user or password).
+    LOGIN = "login"
+    #: The database named in the URL does not exist on the server.
+    NO_DATABASE = "no_database"
     OUTAGE = "outage"
     STATEMENT = "statement"
 
@@ -201,14 +209,30 @@ class Listener(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class Driver:
+    """A DBAPI driver a dialect supports: the module it needs, the URL scheme that
+    names it and how to install it (for one-line messages)."""
+
+    module: str
+    scheme: str
+    install: str
+
+
 class Dialect:
     """Everything that differs between databases. Subclasses set :attr:`name`
     (SQLAlchemy's backend name) and fill in the hooks below; the registry in
     :mod:`taskguard.dialects` maps names to instances."""
 
     name: ClassVar[str]
+    #: The database's name for people (messages, docs).
+    label: ClassVar[str]
     #: Other SQLAlchemy backend names served by this dialect.
     aliases: ClassVar[tuple[str, ...]] = ()
+    #: SQLAlchemy driver name -> the driver, for every driver taskguard supports here.
+    drivers: ClassVar[Mapping[str, Driver]] = {}
+    #: Whether timestamp columns hold naive UTC (no time zone stored).
+    naive_timestamps: ClassVar[bool] = False
     #: Whether an engine's pool may hand each thread a connection to keep.
     pins_connections: ClassVar[bool] = False
     #: Whether ``durable=False`` (commits that do not wait for durability) is offered.
@@ -303,6 +327,11 @@ class Dialect:
 
     # -- values ------------------------------------------------------------------
 
+    def timestamp_type(self) -> Any:
+        """The column type of taskguard's timestamps where SQLAlchemy's
+        ``DateTime(timezone=True)`` does not do; ``None``: that one."""
+        return None
+
     def to_datetime(self, value: Any) -> datetime:
         """A timestamp as the driver returned it, as an aware UTC datetime."""
         raise NotImplementedError
@@ -316,6 +345,32 @@ class Dialect:
         return value
 
     # -- connections ---------------------------------------------------------------
+
+    def check_driver(self, url: URL) -> None:
+        """A :class:`~taskguard.ConfigurationError` naming the supported drivers
+        unless ``url`` names one of them, installed."""
+        name = url.get_driver_name()
+        ways = " or ".join(f"{d.scheme}:// ({d.install})" for d in self.drivers.values())
+        driver = self.drivers.get(name)
+        if driver is None:
+            raise ConfigurationError(
+                f"taskguard does not support the {name} driver ({url.drivername}://) for "
+                f"{self.label}: use {ways}"
+            )
+        if importlib.util.find_spec(driver.module) is None:
+            raise ConfigurationError(
+                f"{url.drivername}:// URLs need {driver.install}"
+                + (f"; or use {ways}" if len(self.drivers) > 1 else "")
+            )
+
+    def check_server(self, sa_dialect: SADialect) -> None:
+        """A :class:`~taskguard.ConfigurationError` (one line) if the server a
+        connection reached is one taskguard cannot keep locks in (after connecting)."""
+
+    def missing_privileges(self, conn: Connection) -> list[str]:
+        """The privileges the lock statements need that the role lacks (``taskguard
+        check``), e.g. ``"UPDATE on table task_locks"``; empty where not checked."""
+        return []
 
     def engine_options(self, url: URL, options: dict[str, Any]) -> None:
         """Adjust ``create_engine`` keyword arguments for a lock engine (in place)."""

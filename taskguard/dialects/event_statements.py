@@ -1,7 +1,11 @@
 """The lock history's statements (``task_lock_events``), shared by every dialect
 and compiled with the rest by :func:`taskguard.dialects.statements.build_lock_sql`:
-recording an event, recording a grant (with ``taken_over`` for a previous grant that
-ended without release), reading a key's story, trimming old events."""
+recording an event, recording the end of a grant (named after the grant's holder),
+reading a key's story, trimming old events.
+
+Whether a grant was taken over is not decided when the next grant is recorded: the
+end of the previous one may be written a fraction of a millisecond later, by its
+holder. :func:`taskguard.history.story` decides it when the story is read."""
 
 from __future__ import annotations
 
@@ -9,14 +13,11 @@ from typing import Any
 
 from sqlalchemy import (
     Float,
-    String,
     bindparam,
     insert,
-    literal,
     literal_column,
-    or_,
     select,
-    union_all,
+    true,
 )
 from sqlalchemy.sql import func
 
@@ -25,8 +26,6 @@ from taskguard.dialects.base import EV, HOLDER_COLS, Flavor
 __all__ = ["event_statements"]
 
 _EVENT_COLS = ("at", "key", "slot", "event", "owner", "token", "duration", *HOLDER_COLS, "detail")
-#: Events that end a grant: after one of them a takeover is not "taken_over".
-_ENDINGS = ("released", "lost", "force_released", "reaped", "taken_over")
 
 
 def event_statements(fl: Flavor) -> dict[str, Any]:
@@ -41,51 +40,37 @@ def event_statements(fl: Flavor) -> dict[str, Any]:
         ),
         **{col: bindparam(col) for col in (*HOLDER_COLS, "detail")},
     }
-    # A grant, plus "taken_over" for the slot's previous grant if that one ended
-    # without release (its holder crashed, stalled or lost the lease). Both index
-    # lookups walk (key, at) from the newest end.
-    prev = (
-        select(EV)
+    # The end of a grant (released, lost) names the grant's holder: its owner's
+    # `acquired` event, the first one at or after the grant (index (key, at) from
+    # :since, the lease's acquired_at), unless the caller names the holder itself.
+    grant = (
+        select(*(EV.c[col] for col in HOLDER_COLS))
         .where(
             EV.c.key == bindparam("key"),
+            EV.c.at >= fl.ts_bind("since"),
             EV.c.slot == bindparam("slot"),
+            EV.c.owner == bindparam("owner"),
             EV.c.event == literal_column("'acquired'"),
         )
-        .order_by(EV.c.at.desc(), EV.c.id.desc())
+        .order_by(EV.c.at, EV.c.id)
         .limit(1)
-        .subquery("p")
+        .subquery("g")
     )
-    ended = EV.alias("e")
-    taken_over = select(
-        now,
-        prev.c.key,
-        prev.c.slot,
-        literal("taken_over", String),
-        prev.c.owner,
-        prev.c.token,
-        fl.since(prev.c.at),
-        *(prev.c[col] for col in HOLDER_COLS),
-        literal("lease expired without release; taken over by owner ", String)
-        + bindparam("owner", type_=String),
-    ).where(
-        prev.c.owner != bindparam("owner"),
-        ~select(ended.c.id)
-        .where(
-            ended.c.key == prev.c.key,
-            ended.c.at >= prev.c.at,
-            ended.c.owner == prev.c.owner,
-            # Literals: a precompiled statement cannot expand an IN parameter.
-            or_(*(ended.c.event == literal_column(f"'{e}'") for e in _ENDINGS)),
-        )
-        .exists(),
+    one = select(literal_column("1").label("one")).subquery("one")
+    ended_values = {
+        **event_values,
+        **{
+            col: func.coalesce(bindparam(col, type_=EV.c[col].type), grant.c[col])
+            for col in HOLDER_COLS
+        },
+    }
+    ended = select(*(ended_values[col] for col in _EVENT_COLS)).select_from(
+        one.outerjoin(grant, true())
     )
-    granted = select(*(event_values[col] for col in _EVENT_COLS))
     old = select(EV.c.id).where(EV.c.at < fl.plus("keep")).order_by(EV.c.at)
     return {
         "record_event": insert(EV).values(**event_values),
-        "record_acquired": insert(EV).from_select(
-            list(_EVENT_COLS), union_all(taken_over, granted)
-        ),
+        "record_ended": insert(EV).from_select(list(_EVENT_COLS), ended),
         "events": select(*(EV.c[col] for col in ("id", *_EVENT_COLS)))
         .where(EV.c.key == bindparam("key"))
         .order_by(EV.c.at.desc(), EV.c.id.desc())

@@ -32,7 +32,6 @@ Why the statements look the way they do:
 
 from __future__ import annotations
 
-import importlib.util
 from datetime import datetime, timezone
 from typing import Any
 
@@ -51,6 +50,8 @@ from sqlalchemy import (
     select,
     text,
 )
+from sqlalchemy.dialects import mysql
+from sqlalchemy.engine import Dialect as SADialect
 from sqlalchemy.sql import func
 from sqlalchemy.sql.elements import BindParameter
 
@@ -58,12 +59,13 @@ from taskguard.dialects.base import (
     HOLDER_COLS,
     RESERVE_GRACE,
     Dialect,
+    Driver,
     ErrorKind,
     Flavor,
     ReapStep,
     T,
 )
-from taskguard.exceptions import ConfigurationError
+from taskguard.dialects.mysql_server import error_kind, refuse_server, server_info
 
 __all__ = [
     "ACQUIRE",
@@ -251,13 +253,6 @@ WHERE `key` = :key AND slot >= :first AND slot < :n AND expires_at > {GRACE_AGO}
 ORDER BY slot
 """
 
-# Server/connection trouble, retryable: deadlock and lock wait timeout (the statement
-# was rolled back), too many connections, server shutdown, connection killed, read
-# only (failover), MySQL's idle-session disconnect. Client errors (2000-2999: cannot
-# connect, server gone away, lost connection) are all outages too.
-_OUTAGE_CODES = frozenset({1040, 1053, 1205, 1213, 1290, 1836, 1927, 4031})
-_PERMISSION_CODES = frozenset({1044, 1045, 1142, 1143, 1227, 1370})
-
 
 def _now() -> ColumnElement[Any]:
     return func.utc_timestamp(literal_column("6"), type_=DateTime())
@@ -273,7 +268,13 @@ class MariaDB(Dialect):
     """MariaDB 10.6+ through mysqlclient (``mysql://``, ``mariadb://``) or PyMySQL."""
 
     name = "mysql"
+    label = "MariaDB"
     aliases = ("mariadb",)
+    drivers = {
+        "mysqldb": Driver("MySQLdb", "mysql", "mysqlclient: pip install 'taskguard[mysql]'"),
+        "pymysql": Driver("pymysql", "mysql+pymysql", "PyMySQL: pip install PyMySQL"),
+    }
+    naive_timestamps = True
     pins_connections = True
 
     def flavor(self) -> Flavor:
@@ -357,12 +358,14 @@ class MariaDB(Dialect):
     def ts_param(self, value: datetime) -> datetime:
         return value.astimezone(timezone.utc).replace(tzinfo=None)
 
+    def timestamp_type(self) -> Any:
+        return mysql.DATETIME(fsp=6)  # plain DATETIME drops the fractional seconds
+
+    def check_server(self, sa_dialect: SADialect) -> None:
+        version = tuple(getattr(sa_dialect, "server_version_info", None) or ())
+        refuse_server(bool(getattr(sa_dialect, "is_mariadb", False)), version)
+
     def engine_options(self, url: URL, options: dict[str, Any]) -> None:
-        if url.get_driver_name() == "mysqldb" and importlib.util.find_spec("MySQLdb") is None:
-            raise ConfigurationError(
-                f"{url.drivername}:// URLs need mysqlclient: pip install 'taskguard[mysql]' "
-                "(or name another driver, e.g. mysql+pymysql://)"
-            )
         options["connect_args"] = {**self.connect_args(url), **options.get("connect_args", {})}
 
     def connect_args(self, url: URL) -> dict[str, Any]:
@@ -385,6 +388,7 @@ class MariaDB(Dialect):
     def configure_engine(self, engine: Engine, url: URL, *, durable: bool) -> None:
         @event.listens_for(engine, "connect")
         def _session(dbapi_conn: Any, _record: Any) -> None:
+            refuse_server(*server_info(str(dbapi_conn.get_server_info())))  # not MySQL
             cur = dbapi_conn.cursor()
             try:
                 with self.setting_up(dbapi_conn):
@@ -394,20 +398,8 @@ class MariaDB(Dialect):
                 cur.close()
 
     def classify(self, exc: BaseException, text: str) -> ErrorKind | None:
-        orig = getattr(exc, "orig", None) or exc
-        args = getattr(orig, "args", ())
-        code = args[0] if args and isinstance(args[0], int) else None
-        if code is None:
-            return None
-        if code == 1054:
-            return ErrorKind.SCHEMA_OLD  # unknown column: deployed before the upgrade
-        if code in (1146, 4091):  # no such table / sequence
-            return ErrorKind.SCHEMA_MISSING
-        if code in _PERMISSION_CODES:
-            return ErrorKind.PERMISSION
-        if code in _OUTAGE_CODES or 2000 <= code < 3000:
-            return ErrorKind.OUTAGE
-        return ErrorKind.STATEMENT
+        args = getattr(getattr(exc, "orig", None) or exc, "args", ())
+        return error_kind(args[0]) if args and isinstance(args[0], int) else None
 
     def reap_start(self) -> dict[str, Any]:
         return {"after_key": "", "after_slot": -1}

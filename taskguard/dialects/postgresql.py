@@ -26,6 +26,7 @@ import psycopg
 from sqlalchemy import (
     URL,
     ColumnElement,
+    Connection,
     DateTime,
     Engine,
     Executable,
@@ -35,6 +36,7 @@ from sqlalchemy import (
     event,
     literal_column,
     select,
+    text,
 )
 from sqlalchemy.dialects import postgresql as pg
 from sqlalchemy.engine import Dialect as SADialect
@@ -45,6 +47,7 @@ from taskguard.dialects import postgresql_refusal as refusal
 from taskguard.dialects.base import (
     RESERVE_GRACE,
     Dialect,
+    Driver,
     ErrorKind,
     Flavor,
     ReapStep,
@@ -178,6 +181,13 @@ def _now() -> ColumnElement[Any]:
     return func.statement_timestamp(type_=DateTime(timezone=True))
 
 
+#: (object, kind, privileges) the lock statements need; see docs/reliability.md,
+#: "Least privilege". The history table and its sequence are opt-in: not checked.
+_PRIVILEGES = (
+    ("task_locks", "table", "SELECT, INSERT, UPDATE, DELETE"),
+    ("task_locks_token_seq", "sequence", "USAGE"),
+)
+
 #: Executions before psycopg prepares a statement, above which a connection counts as
 #: one that parses and plans every statement (:meth:`PostgreSQL.prepares`).
 PREPARES_WITHIN = 100
@@ -185,6 +195,10 @@ PREPARES_WITHIN = 100
 
 class PostgreSQL(Dialect):
     name = "postgresql"
+    label = "PostgreSQL"
+    drivers = {
+        "psycopg": Driver("psycopg", "postgresql+psycopg", "psycopg 3, installed with taskguard")
+    }
     pins_connections = True
     relaxed_durability = True
     statement_errors = (psycopg.DataError, psycopg.IntegrityError, psycopg.ProgrammingError)
@@ -290,6 +304,19 @@ class PostgreSQL(Dialect):
         """
         return {"prepare_threshold": None, "connect_timeout": CONNECT_TIMEOUT}
 
+    def missing_privileges(self, conn: Connection) -> list[str]:
+        missing: list[str] = []
+        for name, kind, privileges in _PRIVILEGES:
+            fn = "has_table_privilege" if kind == "table" else "has_sequence_privilege"
+            for privilege in privileges.split(", "):
+                allowed = conn.execute(
+                    text(f"SELECT {fn}(CAST(:name AS text), CAST(:priv AS text))"),
+                    {"name": name, "priv": privilege},
+                ).scalar()
+                if not allowed:
+                    missing.append(f"{privilege} on {kind} {name}")
+        return missing
+
     def socket_of(self, dbapi_conn: Any) -> int | None:
         try:
             return int(dbapi_conn.pgconn.socket)
@@ -336,6 +363,13 @@ class PostgreSQL(Dialect):
         orig = getattr(exc, "orig", None)
         sqlstate = getattr(exc, "sqlstate", None) or getattr(orig, "sqlstate", None)
         low = text.lower()
+        if sqlstate is None and "fatal:" in low:  # refused at connect (libpq's text)
+            if "database" in low and "does not exist" in low:
+                return ErrorKind.NO_DATABASE
+            if "password authentication failed" in low or (
+                "role" in low and "does not exist" in low
+            ):
+                return ErrorKind.LOGIN
         if sqlstate == "42703" or (
             sqlstate is None and "column" in low and "does not exist" in low
         ):

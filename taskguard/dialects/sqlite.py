@@ -36,7 +36,15 @@ from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.pool import StaticPool
 from sqlalchemy.sql import func
 
-from taskguard.dialects.base import RESERVE_GRACE, Dialect, ErrorKind, Flavor, ReapStep, T
+from taskguard.dialects.base import (
+    RESERVE_GRACE,
+    Dialect,
+    Driver,
+    ErrorKind,
+    Flavor,
+    ReapStep,
+    T,
+)
 from taskguard.models import SQLITE_TOKEN_TABLE
 
 __all__ = ["SQLite"]
@@ -92,6 +100,9 @@ def _is_memory(url: URL) -> bool:
 
 class SQLite(Dialect):
     name = "sqlite"
+    label = "SQLite"
+    drivers = {"pysqlite": Driver("sqlite3", "sqlite", "Python's sqlite3 module")}
+    naive_timestamps = True
     statement_errors = (sqlite3.IntegrityError, sqlite3.DataError, sqlite3.ProgrammingError)
     acquire_slots_sql = _ACQUIRE_SLOTS
     takeover_token_sql = "excluded.token"

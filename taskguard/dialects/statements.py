@@ -230,7 +230,7 @@ def build_lock_sql(d: Dialect, sa_dialect: SADialect) -> LockSQL:
         reap_batch=text(d.reap_sql(history=False)),
         reap_batch_history=text(d.reap_sql(history=True)),
         record_event=events["record_event"],
-        record_acquired=events["record_acquired"],
+        record_ended=events["record_ended"],
         events=events["events"],
         trim_events=events["trim_events"],
     )

@@ -27,7 +27,7 @@ from sqlalchemy import URL, Engine, create_engine, event
 from sqlalchemy import exc as sa_exc
 
 from taskguard.deadline import Watch, current_deadline, watchdog, within
-from taskguard.dialects import Dialect, Statement, dialect_for
+from taskguard.dialects import Dialect, Statement, dialect_for, dialect_for_url
 from taskguard.exceptions import ConfigurationError, DatabaseUnavailable, TaskGuardError
 from taskguard.store.errors import translate_error
 from taskguard.urls import mask_url, parse_url
@@ -47,7 +47,7 @@ def create_lock_engine(url: str | URL, *, durable: bool = True, **kwargs: Any) -
     """
     parsed = parse_url(url)
     try:
-        dialect = dialect_for(parsed.get_backend_name())
+        dialect = dialect_for_url(parsed)
     except ConfigurationError as exc:
         raise ConfigurationError(f"cannot use database URL {mask_url(url)!r}: {exc}") from None
     if not durable and not dialect.relaxed_durability:

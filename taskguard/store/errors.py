@@ -54,6 +54,19 @@ def translate_error(
             f"taskguard's tables are missing in {url}: run `taskguard db upgrade "
             f"--database-url ...` first ({first})"
         )
+    if kind is ErrorKind.LOGIN:
+        return PermissionDenied(
+            f"lock database {url} refused the login ({first}): check the user name and "
+            "password in the URL",
+            url,
+        )
+    if kind is ErrorKind.NO_DATABASE:
+        return DatabaseUnavailable(
+            f"lock database {url} does not exist on its server ({first}): create it "
+            "(CREATE DATABASE <name>), then run `taskguard db upgrade --database-url ...`",
+            url,
+            False,
+        )
     if kind is ErrorKind.PERMISSION:
         return PermissionDenied(
             f"the database role lacks a privilege on taskguard's objects in {url}: {first} "

@@ -45,12 +45,12 @@ class EventLog:
                 return removed
 
     def read(self, key: str, limit: int) -> list[LockEvent]:
-        """The newest ``limit`` events of ``key``, oldest first."""
+        """The newest ``limit`` events of ``key`` as recorded, oldest first."""
         rows, _ = self._db.run(self._sql.events, {"key": key, "limit": limit})
         return [LockEvent.from_row(r, self._dialect.to_datetime) for r in reversed(rows)]
 
     def ended(self, lease: Lease, event: str, when: str) -> None:
-        """``released`` or ``lost`` (found so ``when``)."""
+        """``released`` or ``lost`` (found so ``when``), named after the grant's holder."""
         detail = (
             f"found expired or taken over {when}"
             if event == "lost"
@@ -58,7 +58,7 @@ class EventLog:
         )
         self.record(
             event, lease.key, lease.slot, lease.owner, lease.token,
-            since=lease.acquired_at, detail=detail,
+            since=lease.acquired_at, detail=detail, stmt=self._sql.record_ended,
         )  # fmt: skip
 
     def handed_over(self, from_owner: str, lease: Lease, holder: Holder) -> None:
@@ -66,6 +66,7 @@ class EventLog:
         self.record(
             "released", lease.key, lease.slot, from_owner, lease.token,
             since=lease.acquired_at, detail=f"handed over to owner {lease.owner}",
+            stmt=self._sql.record_ended,
         )  # fmt: skip
         self.record(
             "acquired", lease.key, lease.slot, lease.owner, lease.token, holder,
@@ -94,12 +95,13 @@ class EventLog:
         since: datetime | None = None,
         duration: float | None = None,
         detail: str | None = None,
+        stmt: Statement | None = None,
     ) -> None:
         """Record one event; ``duration`` as given, else measured by the database
         clock from ``since`` to now. A failure is logged, never raised."""
         h = holder or Holder()
         self._quietly(
-            self._sql.record_event,
+            stmt or self._sql.record_event,
             {
                 "key": key,
                 "slot": slot,
@@ -119,10 +121,10 @@ class EventLog:
     def acquired(
         self, lease: Lease, values: Mapping[str, Any], waited: float | None, detail: str | None
     ) -> None:
-        """Record a grant, and ``taken_over`` for the slot's previous grant if that
-        one ended without being released (found from history, in one statement)."""
+        """Record a grant (whether it took over a lease that ended without release is
+        decided when the story is read: :func:`taskguard.history.story`)."""
         self._quietly(
-            self._sql.record_acquired,
+            self._sql.record_event,
             {
                 "key": lease.key,
                 "slot": lease.slot,

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from datetime import timedelta
 from decimal import Decimal
@@ -22,6 +24,7 @@ from celery import Celery
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import create_engine, delete, select
+from sqlalchemy.engine import make_url
 
 from taskguard import (
     ConfigurationError,
@@ -29,6 +32,7 @@ from taskguard import (
     InvalidKey,
     InvalidTTL,
     OutcomeUnknown,
+    PermissionDenied,
     SchemaMissing,
     TaskGuard,
     TaskGuardError,
@@ -331,3 +335,83 @@ def test_database_without_schema_says_how_to_fix(empty_pg_url: str) -> None:
             guard.acquire("k", 5)
     finally:
         guard.dispose()
+
+
+# -- the database refuses us, or the URL names a driver taskguard does not use (issue 27) --
+
+
+def _taskguard(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", "from taskguard.cli import main; main()", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _one_line(proc: subprocess.CompletedProcess[str], code: int) -> str:
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("taskguard: "), proc.stderr
+    return lines[0]
+
+
+def _refused_urls(maria_url: str, pg_url: str) -> dict[str, tuple[str, str]]:
+    """(wrong password, missing database) URLs on both servers."""
+    maria, pg = make_url(maria_url), make_url(pg_url)
+    return {
+        "mariadb": (
+            maria.set(username="tg_nobody", password="wrong").render_as_string(False),
+            maria.set(database="tg_no_such_db").render_as_string(False),
+        ),
+        "postgresql": (
+            pg.set(username="tg_nobody", password="wrong").render_as_string(False),
+            pg.set(database="tg_no_such_db").render_as_string(False),
+        ),
+    }
+
+
+@pytest.mark.parametrize("server", ["mariadb", "postgresql"])
+def test_wrong_password_and_missing_database_say_so(
+    server: str, maria_url: str, pg_url: str
+) -> None:
+    """A wrong password was reported as a missing privilege; a missing database as a
+    refused lock statement, with no hint to create it."""
+    wrong_login, no_database = _refused_urls(maria_url, pg_url)[server]
+    guard = TaskGuard(wrong_login)
+    try:
+        with pytest.raises(PermissionDenied) as err:
+            guard.acquire("k", 5)
+        text = str(err.value)
+        assert "refused the login" in text and "user name and password" in text, text
+        assert "privilege" not in text and "wrong" not in text  # the password stays hidden
+    finally:
+        guard.dispose()
+    guard = TaskGuard(no_database)
+    try:
+        with pytest.raises(DatabaseUnavailable) as err:
+            guard.acquire("k", 5)
+        assert "does not exist" in str(err.value) and "CREATE DATABASE" in str(err.value)
+    finally:
+        guard.dispose()
+    line = _one_line(_taskguard("db", "upgrade", "--database-url", no_database), 2)
+    assert "does not exist" in line and "CREATE DATABASE" in line, line
+    line = _one_line(_taskguard("check", "--database-url", wrong_login), 1)
+    assert "refused the login" in line and "unreachable" not in line, line
+    line = _one_line(_taskguard("check", "--database-url", no_database), 1)
+    assert "does not exist" in line and "CREATE DATABASE" in line, line
+
+
+def test_an_unsupported_driver_is_named_with_the_supported_ones(maria_url: str) -> None:
+    url = make_url(maria_url).set(drivername="mysql+mysqlconnector").render_as_string(False)
+    with pytest.raises(ConfigurationError) as err:
+        TaskGuard(url)
+    for problem in (
+        err.value,
+        _one_line(_taskguard("db", "upgrade", "--database-url", url), 2),
+        _one_line(_taskguard("check", "--database-url", url), 1),
+    ):
+        text = str(problem)
+        assert "does not support the mysqlconnector driver" in text, text
+        assert "mysql:// (mysqlclient" in text and "mysql+pymysql://" in text, text
+        assert "invalid database URL" not in text, text

@@ -24,7 +24,7 @@ from cli_runner import (  # noqa: F401 - fixtures
 )
 from sqlalchemy.engine import make_url
 
-from taskguard import TaskGuard
+from taskguard import TaskGuard, schema
 
 pytestmark = pytest.mark.postgres
 
@@ -71,6 +71,30 @@ def test_locks_lists_live_leases_as_table_and_json(guard: TaskGuard, env: dict[s
         tg("locks", "--prefix", "nothing:", env=env).strip()
         == "no locks held with prefix 'nothing:'"
     )
+
+
+def test_locks_lists_held_locks_and_companion_rows_on_request(
+    guard: TaskGuard, env: dict[str, str]
+) -> None:
+    """Issue 27, item 7: finished runs' records crowded the list (51 of 52 rows)."""
+    lock = guard.acquire("feed:1", 300, task_name="feeds.import")
+    assert lock is not None
+    for key in ("feed:1#pending", "feed:1#debounce", "feed:0#rate", "taskguard:finished:t-1"):
+        assert guard.acquire(key, 300, task_name="feeds.import") is not None
+    assert [r["key"] for r in json.loads(tg("locks", "--json", env=env))] == ["feed:1"]
+    assert [line.split()[0] for line in tg("locks", env=env).splitlines()] == ["KEY", "feed:1"]
+    every = [r["key"] for r in json.loads(tg("locks", "--all", "--json", env=env))]
+    assert every == ["feed:0#rate", "feed:1", "feed:1#debounce", "feed:1#pending",
+                     "taskguard:finished:t-1"]  # fmt: skip
+    # The API's limit counts locks, however many companion rows sort before them.
+    for i in range(5):
+        assert guard.acquire(f"a:{i}#pending", 300) is not None
+    assert [i.key for i in guard.held(limit=1)] == ["feed:1"]
+    assert len(guard.held(limit=3, companions=True)) == 3
+    # `show` names a key's companions; --all lists their rows too.
+    assert [r["key"] for r in json.loads(tg("show", "feed:1", "--json", env=env))] == ["feed:1"]
+    shown = json.loads(tg("show", "feed:1", "--all", "--json", env=env))
+    assert [r["key"] for r in shown] == ["feed:1", "feed:1#pending", "feed:1#debounce"]
 
 
 def test_show_prints_who_holds_a_key(guard: TaskGuard, env: dict[str, str]) -> None:
@@ -121,6 +145,10 @@ def test_db_commands_mask_the_password(empty_pg_url: str) -> None:
     env = {**base_env(), "TASKGUARD_DATABASE_URL": with_password(empty_pg_url)}
     out = tg("db", "upgrade", env=env)
     assert "postgres:***@" in out
+    assert out.strip().endswith(f"taskguard schema base -> {schema.head()}"), out
+    # Run again it says that nothing changed (issue 27: it printed the same line).
+    again = tg("db", "upgrade", env=env)
+    assert again.strip().endswith(f"already at {schema.head()}; nothing to do"), again
     assert "up to date" in tg("db", "current", env=env)
 
 
@@ -220,6 +248,8 @@ def test_db_commands_after_switching_to_the_applications_alembic(empty_pg_url: s
     out = tg("db", "current", env=env)
     assert not out.startswith("base"), out
     assert "managed by your application's Alembic" in out and "alembic upgrade heads" in out
+    # The start-up check reads the same place (issue 27, item 1).
+    assert ": ok (schema at " in tg("check", env=env)
     proc = run([*TASKGUARD, "db", "upgrade"], env, code=2)
     assert "managed by your application's Alembic" in proc.stderr
     assert "alembic upgrade heads" in proc.stderr and "already exists" not in proc.stderr

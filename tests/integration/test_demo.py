@@ -199,8 +199,10 @@ def test_unguarded_demo_sees_overlaps_and_fails(tmp_path: Path) -> None:
 @pytest.mark.celery
 @pytest.mark.postgres
 @pytest.mark.parametrize("broker", [AMQP_URL, REDIS_BROKER_URL], ids=["rabbitmq", "redis"])
-def test_demo_on_postgresql_and_a_broker(pg_url: str, broker: str, tmp_path: Path) -> None:
-    """The same demo on the production pieces: PostgreSQL and RabbitMQ or Redis."""
+def test_demo_on_postgresql_and_a_broker(empty_pg_url: str, broker: str, tmp_path: Path) -> None:
+    """The same demo on the production pieces: PostgreSQL and RabbitMQ or Redis; the
+    tables it creates in the database it was given, it says it created."""
+    pg_url = empty_pg_url
     run, _ = _demo(
         [
             "--database-url",
@@ -217,6 +219,7 @@ def test_demo_on_postgresql_and_a_broker(pg_url: str, broker: str, tmp_path: Pat
     assert run.returncode == 0, f"{run.stdout}\n{run.stderr}"
     _check_guarded_table(run.stdout, feeds=5, submissions=30)
     assert "postgresql+psycopg://" in run.stdout
+    assert "schema: created taskguard's tables in postgresql+psycopg://" in run.stdout
     # The locks really were rows in that database, all released by now.
     engine = create_engine(pg_url)
     with engine.connect() as conn:
@@ -236,6 +239,37 @@ def test_demo_rejects_an_unreachable_broker_quickly(tmp_path: Path) -> None:
     run, _ = _demo(["--broker", "amqp://guest:guest@127.0.0.1:1//"], cwd=tmp_path)
     assert run.returncode == 2, f"{run.stdout}\n{run.stderr}"
     assert "broker amqp://guest:**@127.0.0.1:1// unreachable" in run.stderr
+
+
+_WITHOUT_PACKAGING = """
+import importlib.abc, sys
+
+class Missing(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] == "packaging":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, Missing())
+from taskguard.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_demo_names_the_extra_when_a_transport_cannot_be_imported(tmp_path: Path) -> None:
+    """Issue 27, item 6: after `pip install .` (no redis extra) `taskguard demo --broker
+    redis://…` failed with "ModuleNotFoundError: No module named 'packaging'", which
+    kombu's Redis transport imports. Here that module is made unimportable."""
+    locks = tmp_path / "locks.sqlite"
+    run = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_PACKAGING, "demo", "--broker", REDIS_BROKER_URL,
+         "--database-url", f"sqlite:///{locks}"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=HANG_GUARD,
+    )  # fmt: skip
+    assert run.returncode == 2, f"{run.stdout}\n{run.stderr}"
+    line = run.stderr.strip()
+    assert "\n" not in line and line.startswith("taskguard: the redis:// broker needs"), line
+    assert "No module named 'packaging'" in line and "pip install 'taskguard[redis]'" in line
+    assert not locks.exists()  # nothing was created before the refusal
 
 
 def test_demo_lock_listing_escapes_control_characters() -> None:

@@ -13,6 +13,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from conftest import REDIS_URL
+from integration.celery.workers import start_worker
+from sqlalchemy import create_engine, text
+
 from taskguard import TaskGuard
 
 KEY = "feed:42"
@@ -141,6 +145,19 @@ def test_explain_tells_the_story_of_a_scripted_scenario(db_url: str) -> None:
     assert missing.returncode == 1 and "nothing recorded" in missing.stderr
 
 
+def test_explain_without_history_says_how_to_turn_it_on(sqlite_url: str) -> None:
+    """A Celery user was told only ``TaskGuard(..., history=True)``."""
+    guard = TaskGuard(sqlite_url)
+    try:
+        assert guard.acquire(KEY, 30) is not None
+    finally:
+        guard.dispose()
+    run = _explain(sqlite_url)
+    assert run.returncode == 0, run.stderr
+    assert "app.conf.taskguard_history = True" in run.stdout
+    assert "TASKGUARD_HISTORY = True" in run.stdout and "history=True" in run.stdout
+
+
 def test_history_off_records_nothing_and_adds_no_statement(guard: TaskGuard) -> None:
     sent: list[str] = []
     run = guard._store._db.run
@@ -192,3 +209,154 @@ def test_an_exclusive_adoption_is_a_hand_over_in_the_story(db_url: str) -> None:
         assert f"handed over by owner {lease.owner}" in text
     finally:
         guard.dispose()
+
+
+# -- normal hand-overs are not crashes (issue 27, item 3) ---------------------------------
+
+HANDOVERS = 2_000
+
+
+def _hand_over(url: str, name: str, grants: int, start: Any, out: Any) -> None:
+    """Take the key, give it back at once, ``grants`` times (ttl 30 s: a lease only
+    ever ends by its release)."""
+    guard = TaskGuard(url, history=True)
+    start.wait(30)
+    got = 0
+    try:
+        while got < grants:
+            lease = guard.acquire(
+                "handover", 30, task_name=name, task_id=f"{name}-{got}", pid=os.getpid()
+            )
+            if lease is not None:
+                got += 1
+                assert guard.release(lease)
+        out.put((name, got))
+    finally:
+        guard.dispose()
+
+
+def _stored(url: str) -> list[tuple[Any, ...]]:
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return [
+                tuple(r)
+                for r in conn.execute(
+                    text(
+                        "SELECT event, owner, task_name, task_id, hostname, pid"
+                        " FROM task_lock_events WHERE `key` = 'handover'"
+                        if engine.dialect.name in ("mysql", "mariadb")
+                        else "SELECT event, owner, task_name, task_id, hostname, pid"
+                        " FROM task_lock_events WHERE key = 'handover'"
+                    )
+                )
+            ]
+    finally:
+        engine.dispose()
+
+
+def test_hand_overs_are_never_recorded_as_takeovers(db_url: str) -> None:
+    """Two processes hand one key back and forth: every lease ends by its release, so
+    the story has no "taken over" (19 of 800 grants were, from the order in which the
+    events were written), and every release names its holder."""
+    ctx = mp.get_context("fork")
+    start, out = ctx.Event(), ctx.Queue()
+    procs = [
+        ctx.Process(target=_hand_over, args=(db_url, name, HANDOVERS // 2, start, out))
+        for name in ("left", "right")
+    ]
+    for p in procs:
+        p.start()
+    start.set()
+    for p in procs:
+        p.join(timeout=600)
+        assert p.exitcode == 0
+    assert sorted(out.get(timeout=10) for _ in procs) == [
+        ("left", HANDOVERS // 2),
+        ("right", HANDOVERS // 2),
+    ]
+    stored = _stored(db_url)
+    kinds = [row[0] for row in stored]
+    assert kinds.count("acquired") == HANDOVERS and kinds.count("released") == HANDOVERS
+    assert kinds.count("taken_over") == 0
+    released = [row for row in stored if row[0] == "released"]
+    assert all(row[2] in ("left", "right") and row[3] and row[4] and row[5] for row in released)
+    guard = TaskGuard(db_url, history=True)
+    try:
+        story = guard.events("handover", limit=10 * HANDOVERS)
+        assert not [e for e in story if e.event == "taken_over"]
+        assert "taken over" not in guard.explain("handover", limit=200)
+    finally:
+        guard.dispose()
+
+
+_CELERY_APP = """
+import os
+
+from celery import Celery
+
+from taskguard import guarded_task
+
+app = Celery("historyapp", broker=os.environ["TASKGUARD_TEST_BROKER_URL"])
+app.conf.update(
+    result_backend=os.environ["TASKGUARD_TEST_BROKER_URL"],
+    task_default_queue=os.environ["TASKGUARD_TEST_QUEUE"],
+    taskguard_database_url=os.environ["TASKGUARD_DATABASE_URL"],
+    taskguard_history=True,
+)
+
+
+@guarded_task(app=app, name="hist.run", key="hist:{n}", ttl=30)
+def run(n):
+    return n
+
+
+@guarded_task(app=app, name="hist.queued", key="histq:{n}", ttl=30, lock="queue_and_run")
+def queued(n):
+    return n
+"""
+
+
+def test_releases_by_the_celery_glue_name_their_holder(pg_url: str, tmp_path: Path) -> None:
+    """``released`` events written by a worker carried no task, host or pid (the
+    admin showed "-"); both lock phases' releases name them now."""
+    (tmp_path / "historyapp.py").write_text(_CELERY_APP)
+    with start_worker(
+        "historyapp", REDIS_URL, pg_url, concurrency=2, pythonpath=(tmp_path,)
+    ) as worker:
+        env = {
+            "TASKGUARD_TEST_BROKER_URL": REDIS_URL,
+            "TASKGUARD_TEST_QUEUE": worker.queue,
+            "TASKGUARD_DATABASE_URL": pg_url,
+        }
+        publish = (
+            "import sys; sys.path.insert(0, sys.argv[1]); import historyapp as h\n"
+            "rs = [h.run.delay(i % 3) for i in range(12)] + [h.queued.delay(i) for i in range(6)]\n"
+            "print(sum(1 for r in rs if r.get(timeout=60) is not None))"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", publish, str(tmp_path)],
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+    engine = create_engine(pg_url)
+    try:
+        with engine.connect() as conn:
+            released = conn.execute(
+                text(
+                    "SELECT key, task_name, task_id, hostname, pid FROM task_lock_events"
+                    " WHERE event = 'released'"
+                )
+            ).all()
+            kinds = dict(
+                conn.execute(text("SELECT event, count(*) FROM task_lock_events GROUP BY 1")).all()
+            )
+    finally:
+        engine.dispose()
+    assert {r.key.split(":")[0] for r in released} == {"hist", "histq"}, released
+    assert all(r.task_name in ("hist.run", "hist.queued") for r in released), released
+    assert all(r.task_id and r.hostname and r.pid for r in released), released
+    assert "taken_over" not in kinds, kinds

@@ -10,8 +10,9 @@ import sys
 import textwrap
 from pathlib import Path
 
+import psycopg
 import pytest
-from conftest import PG_URL
+from conftest import PG_URL, _libpq
 
 USER_TESTS = textwrap.dedent(
     """
@@ -79,6 +80,50 @@ OFF_TESTS = textwrap.dedent(
 )
 
 
+TWO_IN_A_ROW = textwrap.dedent(
+    """
+    import os
+
+    from celery import Celery
+    from sqlalchemy.engine import make_url
+
+    from taskguard import guarded_task
+
+    ORIGINAL = "sqlite:////nonexistent/the-apps-own.sqlite"
+    configured = Celery("configured", set_as_current=False)
+    configured.conf.task_always_eager = True
+    configured.conf.taskguard_database_url = ORIGINAL
+    bare = Celery("bare", set_as_current=False)
+    bare.conf.task_always_eager = True
+    seen = []
+
+
+    @guarded_task(app=configured, key="feed:{url}", ttl=30)
+    def import_feed(url):
+        return "imported " + url
+
+
+    def test_first_points_the_apps_at_its_database(taskguard_locks, taskguard_database_url):
+        taskguard_locks.use_for(configured)
+        taskguard_locks.use_for(bare)
+        assert configured.conf.taskguard_database_url == taskguard_database_url
+        assert bare.conf.taskguard_database_url == taskguard_database_url
+        assert import_feed.delay("a").get() == "imported a"
+        seen.append(taskguard_database_url)
+
+
+    def test_second_finds_the_apps_as_they_were(taskguard_database_url):
+        assert configured.conf.taskguard_database_url == ORIGINAL
+        assert bare.conf.get("taskguard_database_url") is None
+        assert taskguard_database_url != seen[0]
+        prefix = os.environ.get("EXPECT_PREFIX")
+        if prefix:
+            for url in (seen[0], taskguard_database_url):
+                assert make_url(url).database.startswith(prefix), url
+    """
+)
+
+
 def _pytest(tmp_path: Path, source: str, *args: str, env: dict[str, str] | None = None) -> str:
     (tmp_path / "test_user_project.py").write_text(source)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
@@ -116,6 +161,44 @@ def test_fixtures_on_sqlite(tmp_path: Path) -> None:
 def test_fixtures_on_postgresql(tmp_path: Path, pg_template: str) -> None:
     out = _pytest(tmp_path, USER_TESTS, "--taskguard-server", PG_URL)
     assert "3 passed" in out
+
+
+def test_use_for_lasts_until_the_test_ends_on_sqlite(tmp_path: Path) -> None:
+    """Issue 27, item 5: the next test found the app pointing at the previous test's
+    (already removed) database."""
+    assert "2 passed" in _pytest(tmp_path, TWO_IN_A_ROW)
+
+
+def test_use_for_lasts_until_the_test_ends_on_postgresql_with_chosen_names(
+    tmp_path: Path, pg_template: str
+) -> None:
+    prefix = f"kit{os.getpid()}_"
+    out = _pytest(
+        tmp_path,
+        TWO_IN_A_ROW,
+        "--taskguard-server",
+        PG_URL,
+        "--taskguard-db-prefix",
+        prefix,
+        env={"EXPECT_PREFIX": prefix},
+    )
+    assert "2 passed" in out
+    with psycopg.connect(_libpq(PG_URL), autocommit=True) as conn:
+        left = conn.execute(
+            "SELECT datname FROM pg_database WHERE datname LIKE %s", (prefix + "%",)
+        ).fetchall()
+    assert left == []  # the template and both tests' databases were dropped
+
+
+def test_a_bad_database_prefix_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "test_x.py").write_text("def test_x(taskguard_database_url):\n    pass\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "taskguard.testing", "-q",
+         "--taskguard-server", PG_URL, "--taskguard-db-prefix", 'bad"name'],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "--taskguard-db-prefix" in proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("how", ["env", "ini"])

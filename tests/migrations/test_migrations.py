@@ -228,7 +228,7 @@ def test_refused_database_one_line_exit_2_nothing_created(empty_maria_url: str) 
         [
             sys.executable,
             "-c",
-            "import sys, taskguard.schema as s; s.MARIADB_MIN = (99, 0); "
+            "import sys, taskguard.dialects.mysql_server as s; s.MARIADB_MIN = (99, 0); "
             "from taskguard.cli import main; main(sys.argv[1:])",
             *("db", "upgrade", "--database-url", empty_maria_url),
         ],
@@ -237,5 +237,7 @@ def test_refused_database_one_line_exit_2_nothing_created(empty_maria_url: str) 
     )
     assert run.returncode == 2, run.stderr
     lines = run.stderr.strip().splitlines()
-    assert len(lines) == 1 and "needs MariaDB 10.6 or newer" in lines[0], run.stderr
+    assert len(lines) == 1 and "needs MariaDB 99.0 or newer; this server is MariaDB" in lines[0], (
+        run.stderr
+    )
     assert _objects(empty_maria_url) == set()

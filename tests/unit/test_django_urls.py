@@ -70,7 +70,7 @@ def test_in_memory_sqlite_is_refused_with_the_fix(name: str) -> None:
         url_from_settings_dict({"ENGINE": "django.db.backends.sqlite3", "NAME": name}, "default")
 
 
-def test_mysql_maps_to_pymysql() -> None:
+def test_mysql_maps_to_mysqlclient_as_django_uses() -> None:
     url = url_from_settings_dict(
         {
             "ENGINE": "django.db.backends.mysql",
@@ -81,8 +81,13 @@ def test_mysql_maps_to_pymysql() -> None:
             "OPTIONS": {"charset": "utf8mb4", "ssl": {"ca": "/etc/ca.pem"}, "autocommit": True},
         }
     )
-    assert url.drivername == "mysql+pymysql"
+    # mysqlclient: what Django's own mysql backend uses, and the `mysql` extra installs.
+    assert url.drivername == "mysql+mysqldb"
     assert dict(url.query) == {"charset": "utf8mb4", "ssl_ca": "/etc/ca.pem"}
+    socket = url_from_settings_dict(
+        {"ENGINE": "django.db.backends.mysql", "NAME": "shop", "HOST": "/run/mysqld/mysqld.sock"}
+    )
+    assert socket.host is None and socket.query["unix_socket"] == "/run/mysqld/mysqld.sock"
 
 
 def test_an_unknown_engine_names_the_fix() -> None:

@@ -196,7 +196,7 @@ def test_retry_keeps_the_lease_for_the_retried_run(
     info = guard.get("k")
     assert info is not None and not info.held
     # the hand-off companion row is gone too
-    assert [i.key for i in guard.held()] == []
+    assert [i.key for i in guard.held(companions=True)] == []
 
 
 def test_queue_and_run_retries_keep_the_enqueue_lease(app: Celery, guard: TaskGuard) -> None:
@@ -212,7 +212,7 @@ def test_queue_and_run_retries_keep_the_enqueue_lease(app: Celery, guard: TaskGu
 
     job.delay()
     assert len(tokens) == 3 and len(set(tokens)) == 1
-    assert guard.held() == []  # the lease and every hand-off claim row are gone
+    assert guard.held(companions=True) == []  # the lease and every hand-off claim row are gone
 
 
 def test_autoretry_keeps_the_lease(app: Celery, recorder: Recorder) -> None:

@@ -10,7 +10,14 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from taskguard import ConfigurationError, GuardedTask, TaskGuard, guarded_task, is_skipped
+from taskguard import (
+    ConfigurationError,
+    GuardedTask,
+    InvalidArgument,
+    TaskGuard,
+    guarded_task,
+    is_skipped,
+)
 from taskguard.celery.header import HEADER
 from taskguard.config import ENV_DATABASE_URL, reset_guards
 
@@ -211,3 +218,119 @@ def test_limit_min_hold_and_wait_options_are_kept(pg_url: str) -> None:
 
     with pytest.raises(ConfigurationError, match="limit must be an int"):
         via_base.taskguard_options  # noqa: B018
+
+
+# -- misspelled options, key callables, is_skipped(AsyncResult) (issue 27) ----------------
+
+
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        ({"tll": 60}, "unknown option tll=60: did you mean ttl= (a taskguard option)?"),
+        ({"on_confict": "skip"}, "did you mean on_conflict= (a taskguard option)?"),
+        ({"debouce": 2}, "did you mean debounce= (a taskguard option)?"),
+        ({"acks_lat": True}, "did you mean acks_late= (a Celery task option)?"),
+        ({"max_retry": 3}, "did you mean max_retries= (a Celery task option)?"),
+        ({"autoretyr_for": (KeyError,)}, "did you mean autoretry_for= (a Celery task option)?"),
+    ],
+)
+def test_a_misspelled_option_is_refused_when_the_task_is_declared(
+    options: dict[str, Any], said: str
+) -> None:
+    """``tll=60`` was silently accepted (Celery made it a task attribute)."""
+    app = Celery("tg_typo", set_as_current=False)
+    with pytest.raises(ConfigurationError) as err:
+
+        @guarded_task(app=app, shared=False, name="feeds.fetch", **options)
+        def fetch(url: str) -> None: ...
+
+    assert str(err.value) == f"task feeds.fetch: {said}" or said in str(err.value)
+    assert str(err.value).startswith("task feeds.fetch: unknown option ")
+
+
+def test_celery_options_and_custom_attributes_pass_through() -> None:
+    app = Celery("tg_pass", set_as_current=False)
+    celery_options: dict[str, Any] = dict(
+        bind=True, acks_late=True, max_retries=3, default_retry_delay=5, rate_limit="10/m",
+        time_limit=60, soft_time_limit=50, ignore_result=True, track_started=True,
+        autoretry_for=(KeyError,), retry_backoff=True, retry_backoff_max=60, retry_jitter=False,
+        retry_kwargs={"max_retries": 2}, queue="feeds", routing_key="feeds", priority=5,
+        expires=300, serializer="json", typing=False, reject_on_worker_lost=True,
+        store_errors_even_if_ignored=True, throws=(KeyError,),
+    )  # fmt: skip
+    custom = {"owner_team": "ingest", "sla_seconds": 30, "category": "feeds", "x": 1}
+
+    @guarded_task(app=app, shared=False, name="feeds.fetch2", ttl=30, **celery_options, **custom)
+    def fetch(self: Any, url: str) -> None: ...
+
+    assert fetch.acks_late is True and fetch.queue == "feeds"
+    assert (fetch.owner_team, fetch.sla_seconds, fetch.category) == ("ingest", 30, "feeds")
+
+
+def test_a_key_callable_that_cannot_take_the_arguments_fails_at_declaration() -> None:
+    app = Celery("tg_keyfn", set_as_current=False)
+    with pytest.raises(ConfigurationError) as err:
+
+        @guarded_task(app=app, shared=False, name="feeds.fetch3", key=lambda url: url)
+        def fetch(feed_url: str, force: bool = False) -> None: ...
+
+    text = str(err.value)
+    assert text.startswith("task feeds.fetch3: key callable <lambda>(url) cannot take")
+    assert "the task's arguments (feed_url: " in text and "force: " in text
+
+
+def test_a_key_callable_that_does_not_fit_a_call_names_the_task(memory_app: Celery) -> None:
+    """With *args the fit is known only per call: the error names the task, not a
+    raw TypeError; a TypeError raised inside the callable is the user's own."""
+
+    def one(url: str) -> str:
+        return f"feed:{url}"
+
+    @guarded_task(app=memory_app, shared=False, name="feeds.any", key=one)
+    def fetch(*urls: str) -> None: ...
+
+    fetch.delay("a")  # fits
+    with pytest.raises(ConfigurationError, match=r"^task feeds\.any: key callable one\(url"):
+        fetch.delay("a", "b")
+
+    def buggy(url: str) -> str:
+        raise TypeError("my own bug")
+
+    @guarded_task(app=memory_app, shared=False, name="feeds.buggy", key=buggy)
+    def fetch2(url: str) -> None: ...
+
+    with pytest.raises(TypeError, match="my own bug"):
+        fetch2.delay("a")
+
+
+def test_is_skipped_reads_a_finished_async_result(pg_url: str) -> None:
+    """``is_skipped(result)`` returned False silently, also after ``.get()``."""
+    app = Celery("tg_skip", set_as_current=False)
+    app.conf.update(
+        task_always_eager=True,
+        task_store_eager_result=True,
+        taskguard_database_url=pg_url,
+        result_backend="cache+memory://",
+    )
+
+    @guarded_task(app=app, shared=False, key="feed:{url}", ttl=30, lock="queue")
+    def fetch(url: str) -> str:
+        return url
+
+    guard = TaskGuard(pg_url)
+    try:
+        held = guard.acquire("feed:a", 30)
+        assert held is not None
+        skipped = fetch.delay("a")
+        assert is_skipped(skipped) and is_skipped(skipped.get())
+        guard.release(held)
+        ran = fetch.delay("a")
+        assert not is_skipped(ran) and ran.get() == "a"
+    finally:
+        guard.dispose()
+        reset_guards()
+    pending = app.AsyncResult("not-finished")
+    with pytest.raises(
+        InvalidArgument, match=r"has not finished \(state PENDING\).*result\.get\(\)"
+    ):
+        is_skipped(pending)

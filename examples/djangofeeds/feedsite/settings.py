@@ -4,7 +4,8 @@ By default everything is SQLite files in DJANGOFEEDS_DIR (default ./var): the
 project's database (which also holds taskguard's locks), and the embedded broker
 and result backend that ``taskguard demo`` uses. Environment variables move it:
 
-DJANGOFEEDS_DATABASE        postgresql://user:password@host:5432/dbname
+DJANGOFEEDS_DATABASE        postgresql://user:password@host:5432/dbname, or
+                            mysql://user:password@host:3306/dbname (MariaDB)
 DJANGOFEEDS_BROKER          e.g. redis://127.0.0.1:6379/0 or amqp://guest:guest@127.0.0.1//
 DJANGOFEEDS_RESULT_BACKEND  e.g. redis://127.0.0.1:6379/1
 """
@@ -58,12 +59,19 @@ TEMPLATES = [
     }
 ]
 
+#: Django's engine for each URL scheme DJANGOFEEDS_DATABASE may use.
+_ENGINES = {
+    "postgresql": "django.db.backends.postgresql",
+    "postgres": "django.db.backends.postgresql",
+    "mysql": "django.db.backends.mysql",  # MariaDB (mysqlclient)
+    "mariadb": "django.db.backends.mysql",
+}
 _database = os.environ.get("DJANGOFEEDS_DATABASE")
 if _database:
     _url = make_url(_database)
     DATABASES = {
         "default": {
-            "ENGINE": "django.db.backends.postgresql",
+            "ENGINE": _ENGINES[_url.get_backend_name()],
             "NAME": _url.database,
             "USER": _url.username or "",
             "PASSWORD": _url.password or "",

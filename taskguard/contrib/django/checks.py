@@ -14,10 +14,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from django.core import checks
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 
 from taskguard.config import DEFAULTS
 from taskguard.contrib.django import conf
+from taskguard.dialects import SUPPORTED_DIALECTS, dialect_for_url
 from taskguard.exceptions import ConfigurationError
 
 __all__ = ["TAG", "check_settings", "register"]
@@ -36,12 +37,6 @@ _FLAGS = ("taskguard_history", "taskguard_durable")
 
 def _known_names() -> set[str]:
     return {conf.django_name(n) for n in DEFAULTS} | {conf.ALIAS_SETTING, conf.URL_SETTING}
-
-
-def _supported_dialects() -> tuple[str, ...]:
-    from taskguard import dialects
-
-    return tuple(getattr(dialects, "SUPPORTED_DIALECTS", ("postgresql", "sqlite")))
 
 
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
@@ -68,7 +63,7 @@ def _check_database(settings: Any) -> list[checks.CheckMessage]:
                     id="taskguard.E004",
                 )
             ]
-        return _check_dialect(url.get_backend_name(), conf.URL_SETTING)
+        return _check_dialect(url, conf.URL_SETTING)
     alias = getattr(settings, conf.ALIAS_SETTING, "default")
     databases: Mapping[str, Any] = getattr(settings, "DATABASES", {}) or {}
     if not isinstance(alias, str) or alias not in databases:
@@ -87,8 +82,8 @@ def _check_database(settings: Any) -> list[checks.CheckMessage]:
         return [
             checks.Error(
                 f"DATABASES[{alias!r}] uses ENGINE {engine!r}, which taskguard cannot use",
-                hint=f"use PostgreSQL or SQLite for the alias in {conf.ALIAS_SETTING}, or set "
-                f"{conf.URL_SETTING} to a SQLAlchemy URL of a supported database",
+                hint=f"use {', '.join(SUPPORTED_DIALECTS)} for the alias in "
+                f"{conf.ALIAS_SETTING}, or set {conf.URL_SETTING} to a SQLAlchemy URL of one",
                 id="taskguard.E002",
             )
         ]
@@ -102,9 +97,9 @@ def _check_database(settings: Any) -> list[checks.CheckMessage]:
                 id="taskguard.E003",
             )
         ]
-    problems = _check_dialect(url.get_backend_name(), f"DATABASES[{alias!r}]")
+    problems = _check_dialect(url, f"DATABASES[{alias!r}]")
     test_name = (entry.get("TEST") or {}).get("NAME")
-    if url.get_backend_name() == "sqlite" and not test_name:
+    if engine in conf.FILE_ENGINES and not test_name:  # Django tests it in memory
         problems.append(
             checks.Warning(
                 f"under `manage.py test` Django puts DATABASES[{alias!r}] in memory, "
@@ -116,18 +111,21 @@ def _check_database(settings: Any) -> list[checks.CheckMessage]:
     return problems
 
 
-def _check_dialect(backend: str, where: str) -> list[checks.CheckMessage]:
-    supported = _supported_dialects()
-    if backend in supported:
-        return []
-    return [
-        checks.Error(
-            f"{where} is a {backend} database; taskguard supports {', '.join(supported)}",
-            hint=f"keep the locks in a supported database ({conf.ALIAS_SETTING} or "
-            f"{conf.URL_SETTING})",
-            id="taskguard.E002",
-        )
-    ]
+def _check_dialect(url: URL, where: str) -> list[checks.CheckMessage]:
+    """The registry's verdict on ``url``: a database taskguard keeps locks in,
+    through a driver it supports there, installed."""
+    try:
+        dialect_for_url(url)
+    except ConfigurationError as exc:
+        return [
+            checks.Error(
+                f"{where}: {exc}",
+                hint=f"keep the locks in a supported database ({conf.ALIAS_SETTING} or "
+                f"{conf.URL_SETTING})",
+                id="taskguard.E002",
+            )
+        ]
+    return []
 
 
 def _bad(name: str, value: Any, expected: str) -> checks.Error:

@@ -29,6 +29,7 @@ from taskguard.exceptions import ConfigurationError
 __all__ = [
     "ALIAS_SETTING",
     "ENGINES",
+    "FILE_ENGINES",
     "URL_SETTING",
     "alias",
     "celery_settings",
@@ -40,22 +41,31 @@ __all__ = [
 ALIAS_SETTING = "TASKGUARD_DATABASE_ALIAS"
 URL_SETTING = "TASKGUARD_DATABASE_URL"
 
-#: Django database engines taskguard can follow, and the SQLAlchemy driver it uses.
+#: Django database engines taskguard can follow, and the SQLAlchemy driver it uses:
+#: the one Django's backend uses too (psycopg 3; mysqlclient, for MariaDB).
 ENGINES: dict[str, str] = {
     "django.db.backends.postgresql": "postgresql+psycopg",
     "django.contrib.gis.db.backends.postgis": "postgresql+psycopg",
     "django.db.backends.sqlite3": "sqlite",
     "django.contrib.gis.db.backends.spatialite": "sqlite",
-    "django.db.backends.mysql": "mysql+pymysql",
-    "django.contrib.gis.db.backends.mysql": "mysql+pymysql",
+    "django.db.backends.mysql": "mysql+mysqldb",
+    "django.contrib.gis.db.backends.mysql": "mysql+mysqldb",
 }
+#: Engines whose NAME is a file (the rest name a database on a server).
+FILE_ENGINES = frozenset(
+    {"django.db.backends.sqlite3", "django.contrib.gis.db.backends.spatialite"}
+)
+_PG_ENGINES = frozenset({"django.db.backends.postgresql", "django.contrib.gis.db.backends.postgis"})
 
 # Django-only keys of a PostgreSQL alias's OPTIONS: not libpq connection parameters.
 _PG_DJANGO_OPTIONS = frozenset(
     {"isolation_level", "server_side_binding", "assume_role", "pool", "cursor_factory"}
 )
-# MySQL OPTIONS that mean the same to PyMySQL as to mysqlclient.
-_MYSQL_OPTIONS = frozenset({"charset", "connect_timeout", "init_command", "read_default_file"})
+# mysqlclient OPTIONS (Django passes them to MySQLdb.connect) a URL can carry; the
+# rest (isolation_level, ...) are Django's own.
+_MYSQL_OPTIONS = frozenset(
+    {"charset", "connect_timeout", "init_command", "read_default_file", "read_default_group"}
+)
 
 
 def django_name(name: str) -> str:
@@ -110,11 +120,11 @@ def url_from_settings_dict(settings_dict: Mapping[str, Any], name: str = "defaul
             "SQLAlchemy URL instead"
         )
     options = dict(settings_dict.get("OPTIONS") or {})
-    if driver == "sqlite":
+    if engine in FILE_ENGINES:
         return _sqlite_url(settings_dict.get("NAME"), name)
     query: dict[str, str] = {}
     host = str(settings_dict.get("HOST") or "") or None
-    if driver.startswith("postgresql"):
+    if engine in _PG_ENGINES:
         query = {
             k: _scalar(v)
             for k, v in options.items()
@@ -127,6 +137,9 @@ def url_from_settings_dict(settings_dict: Mapping[str, Any], name: str = "defaul
         query = {k: _scalar(v) for k, v in options.items() if k in _MYSQL_OPTIONS}
         if isinstance(options.get("ssl"), Mapping):
             query.update({f"ssl_{k}": _scalar(v) for k, v in options["ssl"].items()})
+        if host and host.startswith("/"):  # Django: a HOST starting with / is a socket
+            query["unix_socket"] = host
+            host = None
     port = settings_dict.get("PORT")
     return URL.create(
         driver,

@@ -17,6 +17,7 @@ from django.db import migrations
 
 from taskguard import schema
 from taskguard.contrib.django import conf
+from taskguard.exceptions import ConfigurationError
 
 __all__ = ["AlembicUpgrade"]
 
@@ -61,11 +62,17 @@ class AlembicUpgrade(migrations.RunPython):
         url = self._url(schema_editor)
         if url is None:
             return
-        applied = _applied(schema.current(url))
-        if self.revision in applied:
-            # Already there (e.g. `taskguard db upgrade` ran before the switch to migrate).
+        state = schema.installed(url)
+        if self.revision in _applied(state.revisions):
+            # Already there (e.g. `taskguard db upgrade` ran before the switch to migrate,
+            # or the application's own Alembic applies taskguard's revisions).
             log.info("taskguard schema already at or past %s; nothing to do", self.revision)
             return
+        if state.by_application:
+            raise ConfigurationError(
+                f"taskguard's schema is at {', '.join(state.revisions)} in your application's "
+                f"alembic_version; run `alembic upgrade heads` to bring it to {self.revision}"
+            )
         schema.upgrade(url, self.revision)
 
     def _backward(self, apps: Any, schema_editor: Any) -> None:

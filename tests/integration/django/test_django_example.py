@@ -1,5 +1,5 @@
 """examples/djangofeeds with a real ``celery -A feedsite worker`` (prefork, Redis
-broker) on PostgreSQL and SQLite, and its README's embedded default (in-process
+broker) on PostgreSQL, MariaDB (Django's mysql ENGINE) and SQLite, and its README's embedded default (in-process
 worker, SQLite broker). The publisher runs ``manage.py import_feeds`` in a
 subprocess, so Django's settings stay out of this process."""
 
@@ -11,7 +11,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REDIS_URL, drop_pg_database, new_pg_database
+from conftest import (
+    REDIS_URL,
+    drop_maria_database,
+    drop_pg_database,
+    new_maria_database,
+    new_pg_database,
+)
 from djangoproject import REPO, run
 from integration.celery.workers import start_worker, unique_queue
 from sqlalchemy.engine import make_url
@@ -21,7 +27,7 @@ EXAMPLE = REPO / "examples" / "djangofeeds"
 pytestmark = [pytest.mark.slow, pytest.mark.celery]
 
 
-@pytest.fixture(params=["postgresql", "sqlite"])
+@pytest.fixture(params=["postgresql", "mariadb", "sqlite"])
 def example_env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, str]]:
     env = {"DJANGOFEEDS_DIR": str(tmp_path)}
     if request.param == "postgresql":
@@ -32,6 +38,15 @@ def example_env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict
         )
         yield env
         drop_pg_database(url)
+    elif request.param == "mariadb":
+        request.getfixturevalue("maria_template")
+        url = new_maria_database(None)
+        # As the README writes it: mysql://user@host/db (Django's mysql ENGINE).
+        env["DJANGOFEEDS_DATABASE"] = (
+            make_url(url).set(drivername="mysql", query={}).render_as_string(hide_password=False)
+        )
+        yield env
+        drop_maria_database(url)
     else:
         yield env
 

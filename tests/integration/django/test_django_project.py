@@ -12,7 +12,14 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from conftest import PG_URL, drop_pg_database, new_pg_database
+from conftest import (
+    MARIADB_URL,
+    PG_URL,
+    drop_maria_database,
+    drop_pg_database,
+    new_maria_database,
+    new_pg_database,
+)
 from djangoproject import REPO, DjangoSite, run
 from schema_snapshot import snapshot
 from sqlalchemy.engine import make_url
@@ -127,7 +134,7 @@ def test_scenarios_under_djangos_test_runner(empty_site: DjangoSite) -> None:
     locks following the test database (shop/scenarios.py)."""
     out = empty_site.manage("test", "shop.scenarios", "--noinput", "-v", "2", timeout=400)
     report = out.stderr
-    assert "Ran 9 tests" in report and "\nOK" in report, report[-3000:]
+    assert "Ran 13 tests" in report and "\nOK" in report, report[-3000:]
     if empty_site.db == "postgresql":
         with psycopg.connect(
             make_url(PG_URL).set(drivername="postgresql").render_as_string(False)
@@ -146,3 +153,35 @@ def test_locking_off_under_djangos_test_runner(tmp_path: Path) -> None:
     env["TASKGUARD_LOCKING"] = "off"
     out = run([sys.executable, "manage.py", "test", "shop.scenarios_off", "--noinput"], env)
     assert "Ran 1 test" in out.stderr and "\nOK" in out.stderr, out.stderr[-3000:]
+
+
+def test_a_project_on_mariadb_with_djangos_mysql_engine(maria_template: str) -> None:
+    """Issue 27, item 2: ``ENGINE: django.db.backends.mysql`` on MariaDB passes the
+    checks, ``migrate`` creates the lock tables, and the admin, fence and test
+    database scenarios pass under Django's test runner; ``mysql://`` and
+    ``mariadb://`` in ``TASKGUARD_DATABASE_URL`` are accepted too."""
+    url = new_maria_database(None)
+    site = DjangoSite("mariadb", str(make_url(url).database), pg_url=MARIADB_URL)
+    try:
+        assert "no issues" in site.manage("check").stdout
+        site.manage("migrate", "--noinput")
+        assert schema.current(url) == [schema.head()]
+        guard = TaskGuard(url)
+        try:
+            lease = guard.acquire("feed:maria", ttl=60, task_name="feeds.import_feed")
+            assert lease is not None
+            rows = json.loads(site.manage("taskguard", "locks", "--json").stdout)
+            assert [(r["key"], r["token"]) for r in rows] == [("feed:maria", lease.token)]
+        finally:
+            guard.dispose()
+        out = site.manage("test", "shop.scenarios", "--noinput", "-v", "2", timeout=400)
+        assert "Ran 13 tests" in out.stderr and "\nOK" in out.stderr, out.stderr[-3000:]
+        server = make_url(MARIADB_URL).set(database=site.name, query={})
+        for scheme in ("mysql", "mariadb"):
+            as_url = server.set(drivername=scheme).render_as_string(hide_password=False)
+            site.extra = {"TASKGUARD_DATABASE_URL": as_url}
+            assert "no issues" in site.manage("check").stdout, scheme
+            listed = json.loads(site.manage("taskguard", "locks", "--json").stdout)
+            assert [r["key"] for r in listed] == ["feed:maria"], scheme
+    finally:
+        drop_maria_database(url)

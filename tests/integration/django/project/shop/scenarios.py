@@ -54,6 +54,17 @@ class SettingsReachTheCeleryApp(TransactionTestCase):
         self.assertIn("taskguard-reaper", app.conf.beat_schedule)
         self.assertTrue(guard_for(app).history)
 
+    def test_the_apps_database_url_makes_a_guard(self) -> None:
+        """It is a DjangoDatabaseURL object, not a str: TaskGuard(that) raised."""
+        guard = TaskGuard(app.conf.taskguard_database_url)
+        try:
+            lease = guard.acquire(_key("url"), ttl=30)
+            self.assertIsNotNone(lease)
+            assert lease is not None
+            self.assertTrue(guard.release(lease))
+        finally:
+            guard.dispose()
+
 
 class AdminPages(TransactionTestCase):
     def setUp(self) -> None:
@@ -124,6 +135,64 @@ class AdminPages(TransactionTestCase):
         self.client.post(CHANGELIST, {"action": "force_release", "_selected_action": [self.key]})
         self.assertTrue(self._held())
         self.assertFalse(LockEvent.objects.filter(key=self.key).exists())
+
+    def test_companion_rows_are_listed_on_request(self) -> None:
+        """Issue 27, item 7: finished runs' records crowded "Held locks"."""
+        companions = [f"{self.key}#pending", f"taskguard:finished:{uuid.uuid4().hex}"]
+        for key in companions:
+            self.assertIsNotNone(self.guard.acquire(key, ttl=60, task_name="shop.import_feed"))
+        self.client.force_login(self.viewer)
+        page = self.client.get(CHANGELIST)
+        self.assertContains(page, self.key)
+        for key in companions:
+            self.assertNotContains(page, key)
+        self.assertContains(page, "companion rows")
+        only = self.client.get(CHANGELIST, {"rows": "companions"})
+        for key in companions:
+            self.assertContains(only, key)
+        self.assertNotContains(only, f"{self.key}</")
+        every = self.client.get(CHANGELIST, {"rows": "all"})
+        for key in (self.key, *companions):
+            self.assertContains(every, key)
+
+    def test_control_and_bidi_characters_are_escaped(self) -> None:
+        """Issue 28 F: ESC, BEL and U+202E reached the pages raw (the CLI escapes them)."""
+        history = TaskGuard(database_url(), history=True)
+        try:
+            key = f"evil\x1b[31m:{uuid.uuid4().hex[:6]}\u202etxt.exe"
+            lease = history.acquire(key, ttl=60, task_name="shop.\x07bell", hostname="w\u202e1")
+            assert lease is not None
+            history.release(lease)
+            held = history.acquire(key, ttl=60, task_name="shop.\x07bell", hostname="w\u202e1")
+            assert held is not None
+        finally:
+            history.dispose()
+        self.client.force_login(self.viewer)
+        for url in (CHANGELIST, HISTORY):
+            page = self.client.get(url).content.decode()
+            for raw in ("\x1b", "\x07", "\u202e"):
+                self.assertNotIn(raw, page, url)
+            self.assertIn("evil\\x1b[31m", page, url)
+            self.assertIn("\\u202etxt.exe", page, url)
+            self.assertIn("shop.\\x07bell", page, url)
+            self.assertIn("w\\u202e1", page, url)
+
+    def test_the_history_marks_a_grant_that_was_taken_over(self) -> None:
+        history = TaskGuard(database_url(), history=True)
+        try:
+            key = _key("crash")
+            crashed = history.acquire(key, ttl=0.3, task_name="shop.crashed")
+            handed = history.acquire(_key("handed"), ttl=30, task_name="shop.handed")
+            assert crashed is not None and handed is not None
+            history.release(handed)
+            time.sleep(0.5)
+            self.assertIsNotNone(history.acquire(key, ttl=30, task_name="shop.next"))
+        finally:
+            history.dispose()
+        self.client.force_login(self.viewer)
+        page = self.client.get(HISTORY).content.decode()
+        marked = [line for line in page.splitlines() if "then taken over" in line]
+        self.assertEqual(len(marked), 1, page)
 
     def test_nothing_can_be_added_changed_or_deleted(self) -> None:
         self.client.force_login(self.operator)

@@ -1,8 +1,8 @@
 """Settings of the test project, chosen by the environment the tests set:
 
-TG_DJANGO_DB      "postgresql" or "sqlite"
-TG_DJANGO_NAME    the PostgreSQL database name, or the SQLite file
-TG_DJANGO_PG_URL  server, user and password for PostgreSQL (a SQLAlchemy URL)
+TG_DJANGO_DB      "postgresql", "mariadb" (Django's mysql ENGINE) or "sqlite"
+TG_DJANGO_NAME    the PostgreSQL or MariaDB database name, or the SQLite file
+TG_DJANGO_PG_URL  server, user and password for PostgreSQL or MariaDB (a SQLAlchemy URL)
 TG_DJANGO_EXTRA   JSON object of extra settings (e.g. a bad TASKGUARD_DATABASE_ALIAS)
 """
 
@@ -63,6 +63,19 @@ if os.environ.get("TG_DJANGO_DB", "sqlite") == "postgresql":
             "HOST": _pg.host or "",
             "PORT": _pg.port or "",
             "OPTIONS": {"sslmode": "disable", "application_name": "tg-django-tests"},
+        }
+    }
+elif os.environ.get("TG_DJANGO_DB") == "mariadb":
+    _server = make_url(os.environ["TG_DJANGO_PG_URL"])
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.mysql",
+            "NAME": _name,
+            "USER": _server.username or "",
+            "PASSWORD": _server.password or "",
+            "HOST": _server.host or "",
+            "PORT": _server.port or "",
+            "OPTIONS": {"charset": "utf8mb4"},
         }
     }
 else:
