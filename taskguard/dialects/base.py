@@ -182,10 +182,8 @@ class ErrorKind(enum.Enum):
     SCHEMA_MISSING = "schema_missing"
     SCHEMA_OLD = "schema_old"
     PERMISSION = "permission"
-    #: The server refused the login (wrong user or password).
-    LOGIN = "login"
-    #: The database named in the URL does not exist on the server.
-    NO_DATABASE = "no_database"
+    LOGIN = "login"  # the server refused the login (wrong user or password)
+    NO_DATABASE = "no_database"  # the database named in the URL does not exist
     OUTAGE = "outage"
     STATEMENT = "statement"
 
@@ -211,8 +209,7 @@ class Listener(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Driver:
-    """A DBAPI driver a dialect supports: the module it needs, the URL scheme that
-    names it and how to install it (for one-line messages)."""
+    """A driver a dialect supports: its module, URL scheme and install line."""
 
     module: str
     scheme: str
