@@ -18,15 +18,16 @@ problem with its fix. What a failed check does depends on the setting:
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from celery.signals import worker_init
 
-from taskguard.config import database_url, setting
+from taskguard.config import ENV_DATABASE_URL, database_url, setting
 from taskguard.exceptions import ConfigurationError
 from taskguard.preflight import check_database
 
-__all__ = ["MODES", "run_startup_check"]
+__all__ = ["MODES", "run_startup_check", "uses_taskguard"]
 
 log = logging.getLogger("taskguard.celery")
 
@@ -61,9 +62,26 @@ def run_startup_check(app: Any) -> bool:
     return not stop
 
 
+def uses_taskguard(app: Any) -> bool:
+    """Whether ``app`` uses taskguard: a guarded task, a ``taskguard_*`` setting, the
+    database URL in the environment, or a compat backend. A worker of an app that
+    does not is never checked (installing taskguard must not stop unrelated workers)."""
+    from taskguard.celery.task import GuardedTask
+
+    conf = app.conf
+    if any(isinstance(task, GuardedTask) for task in app.tasks.values()):
+        return True
+    if os.environ.get(ENV_DATABASE_URL) or any(
+        name.startswith("taskguard_") and conf.get(name) is not None for name in conf
+    ):
+        return True
+    backends = (conf.get("ONCE") or {}).get("backend"), conf.get("singleton_backend_class")
+    return any(isinstance(b, str) and b.startswith("taskguard.") for b in backends)
+
+
 def _on_worker_init(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
-    if app is None or run_startup_check(app):
+    if app is None or not uses_taskguard(app) or run_startup_check(app):
         return
     # Signal handlers' exceptions are logged and swallowed; SystemExit is not.
     raise SystemExit(1)

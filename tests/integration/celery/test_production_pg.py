@@ -154,3 +154,34 @@ def test_a_guarded_task_fails_closed_within_the_bound_when_the_standby_stops() -
             assert row is not None and row[0] == 0
         finally:
             guard.dispose()
+
+
+def test_a_worker_of_an_app_without_taskguard_is_not_checked(tmp_path: Path) -> None:
+    """Installing taskguard (its ``celery taskguard`` command imports it into every
+    ``celery`` process) must not stop a worker whose app uses none of it."""
+    (tmp_path / "plainapp.py").write_text(
+        "from celery import Celery\n"
+        f"app = Celery('plain', broker={REDIS_URL!r})\n"
+        "@app.task\n"
+        "def add(x, y):\n"
+        "    return x + y\n"
+    )
+    child = {k: v for k, v in os.environ.items() if not k.startswith("TASKGUARD_")}
+    child["PYTHONPATH"] = str(tmp_path)
+    cmd = [sys.executable, "-m", "celery", "-A", "plainapp", "worker", "-P", "solo",
+           "--without-heartbeat", "--without-gossip", "--without-mingle",
+           "-Q", unique_queue("tg-plain"), "-l", "INFO"]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, env=child, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=30)
+        code: int | None = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        code = None
+    text = out.decode(errors="replace")
+    assert code is None, text[-3000:]  # still running: we had to kill it
+    assert "ready." in text and "start-up check" not in text, text[-3000:]
