@@ -80,7 +80,7 @@ def show(ctx: click.Context, database_url: str | None, key: str, as_json: bool) 
     Exit code 1 when KEY has no row at all (with --json, a JSON error object too)."""
     with open_guard(ctx, database_url) as guard:
         infos = guard.get_all(key)
-        companions = describe_companions(key, guard.get_all)  # [coalesce/rate/debounce]
+        companions = describe_companions(key, guard.held)  # [coalesce/rate/debounce]
     if not infos:
         fail(
             f"no lock row for {key!r} (never locked, or reaped after it expired)",
