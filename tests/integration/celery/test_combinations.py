@@ -9,19 +9,26 @@ case uses keys of its own, so cases run side by side.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
+from datetime import datetime, timezone
 
 import pytest
+from billiard.exceptions import WorkerLostError
 from celery import chain, chord
 from conftest import AMQP_URL, REDIS_URL
 from harness import wait_for
 from pending_harness import PendingEnv, running_env, runs
+from sqlalchemy import select
 from tg_matrix_app import INVALID, make_app
 
 from taskguard import guarded_task
 from taskguard.celery.pending import is_coalesced
 from taskguard.exceptions import ConfigurationError
+from taskguard.models import TaskLock
+from taskguard.waiting import RESERVATION
 
 pytestmark = [pytest.mark.celery, pytest.mark.postgres]
 
@@ -129,3 +136,46 @@ def test_a_coalesced_submission_never_merges_into_another_tasks_pending_run(
     assert second.get(timeout=30) == "import"
     found = runs(menv, url)
     assert sorted(r.note for r in found) == ["import", "import", "reindex"], found
+
+
+# -- E: a SIGKILLed waiter -----------------------------------------------------------------
+
+
+def _next_owner(env: PendingEnv, key: str) -> str | None:
+    with env.guard.engine.connect() as conn:
+        return conn.execute(select(TaskLock.next_owner).where(TaskLock.key == key)).scalar()
+
+
+def _pool_pid(env: PendingEnv, task_id: str) -> int:
+    """The pool process running ``task_id`` (Celery's remote control)."""
+    for tasks in (env.app.control.inspect(timeout=5).active() or {}).values():
+        for task in tasks:
+            if task["id"] == task_id:
+                return int(task["worker_pid"])
+    raise AssertionError(f"{task_id} is not running")
+
+
+def test_a_killed_waiting_pool_process_stops_holding_up_the_key(menv: PendingEnv) -> None:
+    kid = menv.key_id("killed-waiter")
+    key = f"m:{kid}"
+    holder = menv.guard.acquire(key, 30, task_name="holder")
+    assert holder is not None
+    doomed = menv.task("tgm.run-wait").delay(key_id=kid, note="killed")
+    wait_for(lambda: _next_owner(menv, key), 30, "the waiter to be in line")
+    os.kill(_pool_pid(menv, doomed.id), signal.SIGKILL)
+    with pytest.raises(WorkerLostError):
+        doomed.get(timeout=30)
+    time.sleep(RESERVATION + 1.0)
+    # The key is free for anyone right after a release (the dead waiter's
+    # reservation kept it for RESERVE_GRACE after every release, up to its wait_timeout).
+    assert menv.guard.release(holder)
+    taken = menv.guard.acquire(key, 30, task_name="skip")
+    assert taken is not None, "the killed waiter's reservation still holds the key"
+    # A live waiter gets the key when it is released.
+    live = menv.task("tgm.run-wait").delay(key_id=kid, note="live")
+    wait_for(lambda: _next_owner(menv, key), 30, "the live waiter to be in line")
+    released_at = datetime.now(timezone.utc)
+    assert menv.guard.release(taken)
+    assert live.get(timeout=30) == "live"
+    (run,) = runs(menv, kid)
+    print(f"{menv.store}: handed over {(run.started_at - released_at).total_seconds():.3f}s")
