@@ -9,31 +9,38 @@ case uses keys of its own, so cases run side by side.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
+from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import Any
 
 import pytest
 from billiard.exceptions import WorkerLostError
-from celery import chain, chord
+from celery import chain, chord, group
+from celery.result import GroupResult
 from conftest import AMQP_URL, REDIS_URL
 from harness import wait_for
 from pending_harness import PendingEnv, running_env, runs
 from sqlalchemy import select
-from tg_matrix_app import INVALID, make_app
+from tg_matrix_app import CONFIGS, INVALID, make_app
 
-from taskguard import guarded_task
+from taskguard import AlreadyLocked, guarded_task, is_skipped
 from taskguard.celery.pending import is_coalesced
+from taskguard.celery.rate import rate_key
 from taskguard.exceptions import ConfigurationError
+from taskguard.lease import Lease
 from taskguard.models import TaskLock
 from taskguard.waiting import RESERVATION
 
 pytestmark = [pytest.mark.celery, pytest.mark.postgres]
 
 #: (lock store, broker) of each worker the module starts.
-ENVS = [("postgresql", "redis")]
+ENVS = [("postgresql", "redis"), ("postgresql", "amqp"), ("sqlite", "redis"), ("mariadb", "redis")]
 BROKER_URLS = {"redis": REDIS_URL, "amqp": AMQP_URL}
 #: Longest any canvas may take to finish (a loaded 2-core machine).
 BOUND = 60.0
@@ -179,3 +186,201 @@ def test_a_killed_waiting_pool_process_stops_holding_up_the_key(menv: PendingEnv
     assert live.get(timeout=30) == "live"
     (run,) = runs(menv, kid)
     print(f"{menv.store}: handed over {(run.started_at - released_at).total_seconds():.3f}s")
+
+
+# -- the combination matrix ------------------------------------------------------------------
+
+#: Canvas shapes; each puts members of one case's key in a canvas.
+SHAPES = ("chord", "group", "chain-first", "chain-middle")
+#: Each case's key is held when the case is submitted, by a lease this long,
+#: released by the test as soon as the conflict is logged (in this process or the
+#: worker's log): every case meets a held key, whenever its member reaches it.
+HOLD = 30.0
+#: With rate=, the rate window is full instead, for this long: a start over the
+#: rate is put off until the first slot's end, which a release does not move.
+RATE_HOLD = 8.0
+
+
+def allowed(case: str) -> set[str]:
+    """What a member of ``case`` may end as (besides running)."""
+    options = CONFIGS[case]
+    strategy = options.get("on_conflict", "skip")
+    if options.get("debounce") or strategy == "coalesce":
+        return {"ran", "coalesced"}
+    if strategy in ("retry", "wait"):
+        return {"ran"}
+    if strategy == "raise":
+        return {"ran", "AlreadyLocked", "refused at apply_async"}
+    return {"ran", "skipped"}  # skip, and existing (a canvas cannot wait on another task)
+
+
+@dataclass
+class Case:
+    case: str
+    shape: str
+    kid: str
+    holders: list[Lease]
+    submitted: float
+    members: list[Any]  # AsyncResult per member (empty when refused at apply_async)
+    final: Any  # what the caller waits on, or the exception apply_async raised
+    outcome: str = ""
+    took: float = 0.0
+
+
+def _hold(env: PendingEnv, case: str, kid: str) -> list[Lease]:
+    """Every slot of the case's key, or of its rate window with rate=."""
+    key, options, ttl = f"m:{kid}", CONFIGS[case], HOLD
+    limit = options.get("limit", 1)
+    if "rate" in options:
+        key, limit, ttl = rate_key(key), int(options["rate"].split("/")[0]), RATE_HOLD
+    details = {"task_name": "holder", "task_id": f"holder-{kid}", "limit": limit}
+    leases = [env.guard.acquire(key, ttl, **details) for _ in range(limit)]
+    assert all(leases), leases
+    return [lease for lease in leases if lease is not None]
+
+
+def _submit(env: PendingEnv, case: str, shape: str) -> Case:
+    kid = env.key_id(f"{case}-{shape}")
+    task, echo = env.task(f"tgm.{case}"), env.task("tgm.echo")
+    holders = _hold(env, case, kid)
+    members = [task.s(key_id=kid, note=f"n{i}") for i in range(3 if shape in SHAPES[:2] else 1)]
+    sig: Any
+    if shape == "chord":
+        sig = chord(members, env.task("tgm.collect").s())
+    elif shape == "group":
+        sig = group(members)
+    elif shape == "chain-first":
+        sig = chain(members[0], echo.s())
+    else:
+        sig = chain(echo.s("start"), members[0], echo.s())
+    submitted = time.monotonic()
+    try:
+        final = sig.apply_async()
+    except AlreadyLocked as exc:
+        return Case(case, shape, kid, holders, submitted, [], exc)
+    if shape == "chord":
+        results = list(final.parent.results)
+    elif shape == "group":
+        results = list(final.results)
+    else:
+        results = [final.parent]
+    return Case(case, shape, kid, holders, submitted, results, final)
+
+
+def _member(result: Any, note: str) -> str:
+    if not result.ready():
+        return "unfinished"
+    if result.state == "FAILURE":
+        return type(result.result).__name__
+    value = result.result
+    if value == note:
+        return "ran"
+    if is_skipped(value):
+        return "skipped"
+    if is_coalesced(value):
+        return "coalesced"
+    return f"value {value!r}"
+
+
+def _finished(case: Case) -> bool:
+    if isinstance(case.final, BaseException):
+        return True
+    return bool(case.final.ready()) or any(r.state == "FAILURE" for r in _links(case))
+
+
+def _links(case: Case) -> list[Any]:
+    """Every task result of the case's canvas the caller can reach."""
+    found, node = [], case.final
+    while node is not None:
+        found += list(node.results) if isinstance(node, GroupResult) else [node]
+        node = node.parent
+    return found
+
+
+def _state(final: Any) -> str:
+    if isinstance(final, BaseException):
+        return f"raised {type(final).__name__}"
+    if isinstance(final, GroupResult):
+        return "FAILURE" if final.failed() else "SUCCESS" if final.ready() else "PENDING"
+    return str(final.state)
+
+
+def _describe(case: Case) -> list[str]:
+    if isinstance(case.final, BaseException):
+        return ["refused at apply_async"]
+    return [_member(r, f"n{i}") for i, r in enumerate(case.members)]
+
+
+def _overlaps(env: PendingEnv, case: Case) -> list[str]:
+    """Moments more runs of the case's key ran than its lock allows."""
+    options = CONFIGS[case.case]
+    if options["lock"] == "queue":
+        return []  # runs are not locked under lock="queue" (by design)
+    limit, found = options.get("limit", 1), runs(env, case.kid)
+    bad = []
+    for run in found:
+        assert run.ended_at is not None, f"{case.case}/{case.shape}: a run never ended"
+        during = [r for r in found if r.started_at <= run.started_at < r.ended_at]  # type: ignore[operator]
+        if len(during) > limit:
+            bad.append(f"{len(during)} runs at {run.started_at}")
+    return bad
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_combination_matrix(menv: PendingEnv) -> None:
+    """Every valid combination in every canvas shape, side by side on keys of their
+    own, each meeting a held key: each finishes within BOUND with a value or a
+    visible error, each member ends as its strategy says, and no key runs more often
+    at once than its limit."""
+    logger, lines = logging.getLogger("taskguard"), _Lines()
+    level = logger.level
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
+    try:
+        cases = [_submit(menv, case, shape) for case in CONFIGS for shape in SHAPES]
+        deadline = cases[0].submitted + BOUND
+        unfinished, holding = list(cases), list(cases)
+        while unfinished and time.monotonic() < deadline:
+            logged = "\n".join(lines.lines) + menv.worker.log_text()
+            for case in [c for c in holding if f"'m:{c.kid}'" in logged]:
+                holding.remove(case)
+                for lease in case.holders:
+                    assert menv.guard.release(lease)
+            for case in [c for c in unfinished if _finished(c)]:
+                case.took = time.monotonic() - case.submitted
+                unfinished.remove(case)
+            time.sleep(0.1)
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+    time.sleep(1.0)  # members answered before their canvas's end report it by now
+    problems = [
+        f"{c.case}/{c.shape}: met no conflict (nothing logged for its key)" for c in holding
+    ]
+    outcomes: Counter[str] = Counter()
+    for case in cases:
+        members = _describe(case)
+        outcomes.update(members)
+        where = f"{case.case}/{case.shape}"
+        if case in unfinished:
+            problems.append(f"{where}: unfinished after {BOUND:.0f}s ({members})")
+        if not set(members) <= allowed(case.case) | {"ran"}:
+            problems.append(f"{where}: members ended as {members}")
+        problems += [f"{where}: {o}" for o in _overlaps(menv, case)]
+        case.outcome = f"{_state(case.final)}: {', '.join(members)}"
+    slowest = max(cases, key=lambda c: c.took)
+    print(
+        f"\n{menv.store}/{menv.broker}: {len(cases)} cases, members {dict(outcomes)}; "
+        f"slowest {slowest.case}/{slowest.shape} {slowest.took:.1f}s"
+    )
+    for case in sorted(cases, key=lambda c: (list(CONFIGS).index(c.case), c.shape)):
+        print(f"  {case.case:24} {case.shape:13} {case.took:5.1f}s  {case.outcome}")
+    assert not problems, "\n".join(problems)

@@ -30,7 +30,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "run-wait": {"lock": "run", "on_conflict": "wait", "wait_timeout": 20},
     "run-coalesce": {"lock": "run", "on_conflict": "coalesce"},
     "run-debounce": {"lock": "run", "debounce": 0.5},
-    "run-rate": {"lock": "run", "rate": "2/1s"},
+    "run-rate": {"lock": "run", "rate": "2/1s", "limit": 4},
     "run-limit": {"lock": "run", "limit": 2},
     "queue-skip": {"lock": "queue", "on_conflict": "skip"},
     "queue-raise": {"lock": "queue", "on_conflict": "raise"},
@@ -45,7 +45,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "retry_countdown": 0.3,
     },
     "queue_and_run-existing": {"lock": "queue_and_run", "on_conflict": "existing"},
-    "queue_and_run-rate": {"lock": "queue_and_run", "rate": "2/1s"},
+    "queue_and_run-rate": {"lock": "queue_and_run", "rate": "2/1s", "limit": 4},
     "queue_and_run-limit": {"lock": "queue_and_run", "limit": 2},
 }
 
