@@ -290,21 +290,19 @@ def test_a_granted_waiter_leaves_no_reservation_behind(db_url: str) -> None:
         waiter.join(15)
         assert verdict == "granted"  # and it released the key again
         # Others, back to back: each release must leave the key free at once.
-        for _ in range(3):
-            lease = other.acquire(key, 60)
-            assert lease is not None, "the departed waiter's reservation still blocks the key"
-            assert other.release(lease)
+        _free_after_each_release(other, key, 3)
     finally:
         guard.dispose()
         other.dispose()
 
 
-def _doomed_waiter(url: str, key: str, in_line: Any) -> None:
-    """Waits for ``key`` (a long wait) and tells when it is in line; the test
-    SIGKILLs it there, so it never withdraws."""
-    guard = TaskGuard(url)
-    _telling_when_in_line(guard, in_line)
-    guard.acquire(key, 60, wait=120)
+def _free_after_each_release(guard: TaskGuard, key: str, times: int) -> None:
+    """Acquire ``key`` without waiting right after each release, ``times`` times: a
+    waiter's reservation, were it still there, refuses that for RESERVE_GRACE."""
+    for _ in range(times):
+        lease = guard.acquire(key, 60)
+        assert lease is not None, "a departed waiter's reservation still holds the key"
+        assert guard.release(lease)
 
 
 def test_a_killed_waiter_stops_holding_up_the_key_within_its_reservation(db_url: str) -> None:
@@ -314,24 +312,19 @@ def test_a_killed_waiter_stops_holding_up_the_key_within_its_reservation(db_url:
     delayed by the reservation grace)."""
     key = "wait:killed-waiter"
     ctx = mp.get_context("fork")
-    in_line = ctx.Event()
+    in_line, out = ctx.Event(), ctx.Queue()
     guard, other = TaskGuard(db_url), TaskGuard(db_url)
     try:
         holder = guard.acquire(key, 60)
         assert holder is not None
-        waiter = ctx.Process(target=_doomed_waiter, args=(db_url, key, in_line))
+        waiter = ctx.Process(target=_waiter, args=(db_url, key, 120.0, out, in_line))
         waiter.start()
         assert in_line.wait(30), "the waiter never announced itself"
-        os.kill(waiter.pid, signal.SIGKILL)
+        os.kill(waiter.pid, signal.SIGKILL)  # it never withdraws
         waiter.join(timeout=30)
         time.sleep(RESERVATION + 0.5)
-        # Each release is followed at once by an acquire that does not wait: the
-        # dead waiter's reservation would refuse it for RESERVE_GRACE after each one.
         assert guard.release(holder)
-        for _ in range(5):
-            lease = other.acquire(key, 60)
-            assert lease is not None, "the dead waiter's reservation still holds the key"
-            assert other.release(lease)
+        _free_after_each_release(other, key, 5)
     finally:
         guard.dispose()
         other.dispose()
