@@ -42,6 +42,7 @@ class PendingEnv:
     guard: TaskGuard
     runs_url: str
     broker: str = "redis"
+    lock_url: str = ""
 
     def task(self, name: str) -> Any:
         return self.app.tasks[name]
@@ -83,9 +84,11 @@ def running_env(
     broker: str = "redis",
     broker_url: str = REDIS_URL,
     concurrency: int = 4,
+    worker_env: dict[str, str] | None = None,
 ) -> Iterator[PendingEnv]:
     """A worker of ``app_module`` whose locks live in ``store`` (postgresql, sqlite,
-    mariadb), on ``broker_url``; runs recorded in a PostgreSQL database of its own."""
+    mariadb), on ``broker_url``; runs recorded in a PostgreSQL database of its own.
+    ``worker_env``: more environment for the worker."""
     runs_url = new_pg_database(request.getfixturevalue("pg_template"))
     with psycopg.connect(libpq_url(runs_url), autocommit=True) as conn:
         conn.execute(RUNS_DDL)
@@ -102,9 +105,9 @@ def running_env(
     try:
         with start_worker(
             app_module, broker_url, lock_url, concurrency, queue=queue, result_backend=REDIS_URL,
-            env={"TG_RUNS_URL": runs_url},
+            env={"TG_RUNS_URL": runs_url, **(worker_env or {})},
         ) as worker:  # fmt: skip
-            yield PendingEnv(store, app, worker, guard, runs_url, broker)
+            yield PendingEnv(store, app, worker, guard, runs_url, broker, lock_url)
     finally:
         guard.dispose()
         app.close()

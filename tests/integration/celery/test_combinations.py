@@ -28,6 +28,7 @@ from harness import wait_for
 from pending_harness import PendingEnv, running_env, runs
 from sqlalchemy import select
 from tg_matrix_app import CONFIGS, INVALID, make_app
+from workers import start_worker
 
 from taskguard import AlreadyLocked, guarded_task, is_skipped
 from taskguard.celery.pending import is_coalesced
@@ -186,6 +187,52 @@ def test_a_killed_waiting_pool_process_stops_holding_up_the_key(menv: PendingEnv
     assert live.get(timeout=30) == "live"
     (run,) = runs(menv, kid)
     print(f"{menv.store}: handed over {(run.started_at - released_at).total_seconds():.3f}s")
+
+
+# -- G: a whole worker SIGKILLed with a pending and a debounced run in hand --------------
+
+#: Redis: the visibility timeout the killed-worker test sets (kombu's default: 1 h).
+VISIBILITY = 3.0
+
+
+@pytest.mark.parametrize("broker", ["amqp", "redis"])
+def test_a_killed_worker_loses_no_pending_or_debounced_run(
+    request: pytest.FixtureRequest, broker: str
+) -> None:
+    """The whole worker is SIGKILLed while it holds the pending run's deferred copy
+    and a debounced message (both ETA messages it has not acknowledged): each runs
+    once when the broker hands it out again: RabbitMQ at once (the connection
+    died), Redis after its visibility timeout."""
+    extra = {"TASKGUARD_TEST_VISIBILITY_TIMEOUT": str(VISIBILITY)} if broker == "redis" else {}
+    with running_env(
+        request, "postgresql", app_module="tg_matrix_app", app_factory=make_app, broker=broker,
+        broker_url=BROKER_URLS[broker], concurrency=2, worker_env=extra,
+    ) as env:  # fmt: skip
+        coalesced, feed = env.key_id("killed-pending"), env.key_id("killed-debounced")
+        task = env.task("tgm.run-coalesce")
+        task.delay(key_id=coalesced, note="holder", duration=30.0)
+        wait_for(lambda: runs(env, coalesced), 30, "the holder's run")
+        task.delay(key_id=coalesced, note="pending")
+        time.sleep(1.5)  # the pending run is deferred while the key is held
+        env.task("tgm.reindex_feed").delay(feed, [1])  # debounce=1
+        time.sleep(0.3)
+        killed_at = datetime.now(timezone.utc)
+        env.worker.kill()
+        with start_worker(
+            "tg_matrix_app", BROKER_URLS[broker], env.lock_url, 2, queue=env.worker.queue,
+            result_backend=REDIS_URL, env={"TG_RUNS_URL": env.runs_url, **extra}, purge=False,
+        ):  # fmt: skip
+            ready = (datetime.now(timezone.utc) - killed_at).total_seconds()
+            wait_for(lambda: len(runs(env, coalesced)) == 2 and runs(env, feed), 60, "both runs")
+            time.sleep(2.0)  # a second copy would have run by now
+        pending, debounced = runs(env, coalesced)[1:], runs(env, feed)
+    assert [r.note for r in pending] == ["pending"] and [r.note for r in debounced] == ["reindex"]
+    after = [round((r[0].started_at - killed_at).total_seconds(), 2) for r in (pending, debounced)]
+    print(
+        f"{broker}: second worker ready {ready:.2f}s after the kill; pending, debounced ran {after}s after it"
+    )
+    if broker == "redis":
+        assert min(after) >= VISIBILITY - 1.0, after  # not before the visibility timeout
 
 
 # -- the combination matrix ------------------------------------------------------------------

@@ -16,6 +16,7 @@ from typing import Any
 from celery import Celery
 from tg_pending_app import make_app as make_pending_app
 from tg_pending_app import record
+from tg_worker_app import visibility_from_environment
 
 from taskguard import guarded_task
 
@@ -72,6 +73,7 @@ def make_app(
     """The app (every matrix task registered) for these settings."""
     app = make_pending_app(broker_url, result_backend, queue, database_url, runs_url)
     app.conf.taskguard_history = False  # the default
+    visibility_from_environment(app)
 
     for case, options in CONFIGS.items():
         _register(app, runs_url, case, options)
