@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -156,7 +157,9 @@ def _next_owner(env: PendingEnv, key: str) -> str | None:
 
 def _pool_pid(env: PendingEnv, task_id: str) -> int:
     """The pool process running ``task_id`` (Celery's remote control)."""
-    for tasks in (env.app.control.inspect(timeout=5).active() or {}).values():
+    node = f"{env.worker.queue}@{socket.gethostname()}"  # workers.start_worker's -n
+    inspect = env.app.control.inspect(destination=[node], timeout=10, limit=1)
+    for tasks in (inspect.active() or {}).values():
         for task in tasks:
             if task["id"] == task_id:
                 return int(task["worker_pid"])
