@@ -1,8 +1,8 @@
 """Waiting for a held key: ``TaskGuard.acquire(..., wait=timeout)``.
 
 A waiter first *announces* itself on the key's rows (one UPDATE): it raises the
-row's ``wanted_until`` to its deadline, and if it has waited longest it becomes
-``next_owner``. Then:
+row's ``wanted_until`` (a release before it wakes waiters), and if it has waited
+longest it becomes ``next_owner``. Then:
 
 * PostgreSQL (psycopg): it LISTENs on a dedicated connection (the dialect's
   listener), opened before the
@@ -24,7 +24,9 @@ and asks for wake-ups (``wanted_until``) for :data:`RESERVATION` seconds only, a
 a live waiter renews both by announcing again every :data:`RENEW_EVERY` seconds
 (keeping its first announcement's time, which orders the line). So a waiter that
 dies without withdrawing (SIGKILL) stops holding the key up within
-:data:`RESERVATION` seconds, whatever its timeout was.
+:data:`RESERVATION` seconds, whatever its timeout was. A live waiter that misses
+its renewals (a paused process) is passed over only until its next announcement:
+the earliest first announcement takes the lead back.
 """
 
 from __future__ import annotations
