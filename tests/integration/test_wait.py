@@ -305,21 +305,27 @@ def _free_after_each_release(guard: TaskGuard, key: str, times: int) -> None:
         assert guard.release(lease)
 
 
+def _in_line(url: str, key: str, wait: float, out: Any) -> Any:
+    """A process waiting up to ``wait`` s for ``key``, once it has announced itself."""
+    ctx = mp.get_context("fork")
+    in_line = ctx.Event()
+    waiter = ctx.Process(target=_waiter, args=(url, key, wait, out, in_line))
+    waiter.start()
+    assert in_line.wait(30), "the waiter never announced itself"
+    return waiter
+
+
 def test_a_killed_waiter_stops_holding_up_the_key_within_its_reservation(db_url: str) -> None:
     """Issue 28 E: a SIGKILLed waiter's place in line lapses within RESERVATION
     seconds, not at the end of its whole wait: then a release frees the key for
     anyone at once again (no acquire refused while the key is free, no hand-over
     delayed by the reservation grace)."""
     key = "wait:killed-waiter"
-    ctx = mp.get_context("fork")
-    in_line, out = ctx.Event(), ctx.Queue()
     guard, other = TaskGuard(db_url), TaskGuard(db_url)
     try:
         holder = guard.acquire(key, 60)
         assert holder is not None
-        waiter = ctx.Process(target=_waiter, args=(db_url, key, 120.0, out, in_line))
-        waiter.start()
-        assert in_line.wait(30), "the waiter never announced itself"
+        waiter = _in_line(db_url, key, 120.0, mp.get_context("fork").Queue())
         os.kill(waiter.pid, signal.SIGKILL)  # it never withdraws
         waiter.join(timeout=30)
         time.sleep(RESERVATION + 0.5)
@@ -334,16 +340,13 @@ def test_a_live_waiter_keeps_its_place_beyond_one_reservation(db_url: str) -> No
     """A waiter renews its place in line while it waits: long after its first
     announcement the row is still reserved for it (and the release goes to it)."""
     key = "wait:renewed-place"
-    ctx = mp.get_context("fork")
-    in_line, out = ctx.Event(), ctx.Queue()
+    out = mp.get_context("fork").Queue()
     guard = TaskGuard(db_url)
     engine = create_engine(db_url, poolclass=NullPool)
     try:
         holder = guard.acquire(key, 60)
         assert holder is not None
-        waiter = ctx.Process(target=_waiter, args=(db_url, key, 30.0, out, in_line))
-        waiter.start()
-        assert in_line.wait(30), "the waiter never announced itself"
+        waiter = _in_line(db_url, key, 30.0, out)
         time.sleep(RESERVATION + 0.5)
         with engine.connect() as conn:
             next_owner, next_until = conn.execute(
