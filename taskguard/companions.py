@@ -5,17 +5,20 @@ They are ordinary rows of ``task_locks`` (so every store holds them with the
 same statements and the reaper removes them); ``TaskGuard.held()``,
 ``taskguard locks`` and the Django admin list them only on request:
 
-* ``<key>#pending``: the key's pending run (``on_conflict="coalesce"``,
-  ``debounce=``); its task id is the pending task's.
-* ``<key>#rate``: one slot row per start counted in the rate's window
-  (``rate=``); each is taken until its start plus the period.
-* ``<key>#debounce``: the current debounce batch, taken at its first submission.
+* ``<key>#pending:<task name>``: the task's pending run on the key; its task id is
+  the pending task's. One per task, so two tasks sharing a key (an importer that
+  coalesces, a debounced reindexer) each keep their own pending run.
+* ``<key>#rate``: one slot row per start counted in the rate's window; each is
+  taken until its start plus the period. Shared by every task on the key.
+* ``<key>#debounce:<task name>``: the task's current debounce batch, taken at its
+  first submission.
 * ``taskguard:finished:<task id>``: a finished run's record, so that a copy of
   its message delivered again is dropped (``taskguard_finished_retention``).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from itertools import count
 
@@ -23,10 +26,11 @@ from taskguard.keys import normalize_key
 from taskguard.lease import LockInfo
 
 __all__ = [
+    "ENDING",
     "FINISHED_PREFIX",
     "ROLES",
-    "SUFFIXES",
     "companion_key",
+    "companion_rows",
     "describe_companions",
     "is_companion",
     "without_companions",
@@ -34,15 +38,17 @@ __all__ = [
 
 #: Suffix of each kind of companion row.
 ROLES = ("pending", "rate", "debounce")
-#: The key endings of those rows.
-SUFFIXES = tuple(f"#{role}" for role in ROLES)
 #: Key prefix of finished runs' records (no task's own key should start with it).
 FINISHED_PREFIX = "taskguard:finished:"
+#: How a companion key ends: ``#rate``, or ``#pending``/``#debounce`` and a task name
+#: (a regular expression PostgreSQL, MariaDB, SQLite and Python read alike).
+ENDING = r"#(rate|(pending|debounce)(:[^#]*)?)$"
+_ENDING = re.compile(ENDING)
 
 
 def is_companion(key: str) -> bool:
     """Whether ``key`` is a companion row's, not a lock's."""
-    return key.startswith(FINISHED_PREFIX) or key.endswith(SUFFIXES)
+    return key.startswith(FINISHED_PREFIX) or _ENDING.search(key) is not None
 
 
 def without_companions(read: Callable[[int], list[LockInfo]], limit: int) -> list[LockInfo]:
@@ -56,30 +62,43 @@ def without_companions(read: Callable[[int], list[LockInfo]], limit: int) -> lis
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def companion_key(key: str, role: str) -> str:
-    """The companion key of ``key`` for ``role`` (one of :data:`ROLES`)."""
+def companion_key(key: str, role: str, task: str | None = None) -> str:
+    """The companion key of ``key`` for ``role`` (one of :data:`ROLES`); ``task``
+    names the task whose own row it is (pending, debounce)."""
     if role not in ROLES:
         raise ValueError(f"unknown companion role {role!r}; one of {ROLES}")
-    return normalize_key(f"{key}#{role}")
+    return normalize_key(f"{key}#{role}" if task is None else f"{key}#{role}:{task}")
 
 
-def describe_companions(key: str, read: Callable[[str], Sequence[LockInfo]]) -> list[str]:
-    """One line per live companion row of ``key`` (``read(key)`` returns a key's
-    rows), for ``taskguard show`` and ``explain``; empty when there is none."""
-    lines: list[str] = []
-    pending = [r for r in read(companion_key(key, "pending")) if r.held]
-    for row in pending:
-        lines.append(
-            f"pending run: task {row.holder.task_id or '-'} ({row.holder.task_name or '-'}), "
-            f"waiting {row.held_for.total_seconds():.1f}s; starts when {key!r} is free"
-        )
-    starts = [r for r in read(companion_key(key, "rate")) if r.held]
+def companion_rows(key: str, held: Callable[[str], Sequence[LockInfo]]) -> list[LockInfo]:
+    """The live companion rows of ``key`` (``held(prefix)``: the held rows, companions
+    included, whose keys start with ``prefix``). (A key too long for its companions'
+    names to be stored as given has them shortened to a digest: they are not found.)"""
+    return [r for r in held(f"{key}#") if r.held and is_companion(r.key)]
+
+
+def describe_companions(key: str, held: Callable[[str], Sequence[LockInfo]]) -> list[str]:
+    """One line per live companion row of ``key`` (``held`` as for
+    :func:`companion_rows`), for ``taskguard show`` and ``explain``; empty when
+    there is none."""
+    rows = companion_rows(key, held)
+
+    def of(role: str) -> list[LockInfo]:
+        own = f"{key}#{role}"
+        return [r for r in rows if r.key == own or r.key.startswith(own + ":")]
+
+    lines = [
+        f"pending run: task {row.holder.task_id or '-'} ({row.holder.task_name or '-'}), "
+        f"waiting {row.held_for.total_seconds():.1f}s; starts when {key!r} is free"
+        for row in of("pending")
+    ]
+    starts = of("rate")
     if starts:
         frees = min(r.expires_in.total_seconds() for r in starts)
         lines.append(
             f"rate: {len(starts)} start(s) in the current window; the next slot frees in "
             f"{frees:.1f}s"
         )
-    for row in (r for r in read(companion_key(key, "debounce")) if r.held):
+    for row in of("debounce"):
         lines.append(f"debounce batch: first submission {row.held_for.total_seconds():.1f}s ago")
     return lines

@@ -1,8 +1,8 @@
 """Waiting for a held key: ``TaskGuard.acquire(..., wait=timeout)``.
 
 A waiter first *announces* itself on the key's rows (one UPDATE): it raises the
-row's ``wanted_until`` to its deadline, and if it has waited longest it becomes
-``next_owner``. Then:
+row's ``wanted_until`` (a release before it wakes waiters), and if it has waited
+longest it becomes ``next_owner``. Then:
 
 * PostgreSQL (psycopg): it LISTENs on a dedicated connection (the dialect's
   listener), opened before the
@@ -18,6 +18,15 @@ Fairness: for :data:`~taskguard.dialects.RESERVE_GRACE` seconds after a lease en
 only ``next_owner`` may take the row (the acquire statement's takeover condition
 says so), so a stream of newcomers cannot starve the oldest waiter; a waiter that
 loses a round re-announces and, once it is the oldest, gets the next release.
+
+A place in line is a lease too: an announcement reserves the row (``next_until``)
+and asks for wake-ups (``wanted_until``) for :data:`RESERVATION` seconds only, and
+a live waiter renews both by announcing again every :data:`RENEW_EVERY` seconds
+(keeping its first announcement's time, which orders the line). So a waiter that
+dies without withdrawing (SIGKILL) stops holding the key up within
+:data:`RESERVATION` seconds, whatever its timeout was. A live waiter that misses
+its renewals (a paused process) is passed over only until its next announcement:
+the earliest first announcement takes the lead back.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from taskguard.exceptions import TaskGuardError
 from taskguard.lease import Lease
 from taskguard.store import Store, WaitRow
 
-__all__ = ["POLL_MAX", "POLL_MIN", "RECHECK", "wait_for"]
+__all__ = ["POLL_MAX", "POLL_MIN", "RECHECK", "RENEW_EVERY", "RESERVATION", "wait_for"]
 
 log = logging.getLogger("taskguard")
 
@@ -41,6 +50,10 @@ POLL_MAX = 0.5
 #: With wake-ups: longest sleep without a re-check (a lost notification, or a
 #: lease shortened by a renewal with a smaller ttl, costs at most this).
 RECHECK = 5.0
+#: How long one announcement keeps a waiter's place in line (seconds).
+RESERVATION = 2.0
+#: Longest time between a waiter's announcements (renewals of its place).
+RENEW_EVERY = RESERVATION / 4
 # Wake a little after a lease's expiry, so the retry sees it expired.
 _AFTER_EXPIRY = 0.002
 
@@ -79,27 +92,36 @@ def wait_for(
     lease: Lease | None = None
     quick = 0
     poll = POLL_MIN
+    due = 0.0  # monotonic time of the next attempt
     try:
         while (remaining := deadline - time.monotonic()) > 0:
-            rows, since = store.waiters.announce(key, slots, owner, since, remaining)
+            rows, since = store.waiters.announce(
+                key, slots, owner, since, min(remaining, RESERVATION)
+            )
             announced = True
-            delay = _next_try(rows, len(slots), owner)
-            if delay <= 0:
-                # Free by the database's word; a second miss in a row (a lost race)
-                # backs off so two waiters never spin against each other.
-                quick += 1
-                delay = 0.0 if quick == 1 else min(POLL_MIN * 2**quick, POLL_MAX)
-            else:
-                quick = 0
-            delay = min(delay, remaining)
-            if delay > 0:
+            if time.monotonic() >= due:
+                delay = _next_try(rows, len(slots), owner)
+                if delay <= 0:
+                    # Free by the database's word; a second miss in a row (a lost race)
+                    # backs off so two waiters never spin against each other.
+                    quick += 1
+                    delay = 0.0 if quick == 1 else min(POLL_MIN * 2**quick, POLL_MAX)
+                else:
+                    quick = 0
+                due = time.monotonic() + min(delay, remaining, RECHECK)
+            nap = min(due - time.monotonic(), RENEW_EVERY)
+            if nap > 0:
                 if listener is not None:
-                    listener.wait(key, min(delay, RECHECK))
+                    if listener.wait(key, nap):
+                        due = 0.0  # released: try now
                 else:
                     head = any(r[3] == owner for r in rows)
                     cap = RESERVE_GRACE / 4 if head else poll
-                    time.sleep(min(delay, cap))
+                    time.sleep(min(nap, cap))
                     poll = min(poll * 2, POLL_MAX)
+                    due = min(due, time.monotonic())
+            if time.monotonic() < due:
+                continue  # woken only to renew the place in line
             lease = attempt()
             if lease is not None:
                 return lease

@@ -3,11 +3,11 @@ submission for the key, with the last submission's arguments; under a steady
 stream of submissions it still runs at least once per T.
 
 It is ``on_conflict="coalesce"`` with ``coalesce_replace=True`` and a countdown
-(see :mod:`taskguard.celery.pending`): every submission takes the key's pending
-place (``<key>#pending``) from the one before and is published ``S`` seconds
-late; a message that finds the place taken by a newer submission returns the
+(see :mod:`taskguard.celery.pending`): every submission takes the task's pending
+place on the key (``<key>#pending:<task name>``) from the one before and is
+published ``S`` seconds late; a message that finds the place taken by a newer submission returns the
 ``coalesced`` marker naming it, without running. The cap: the first submission
-after a run takes ``<key>#debounce`` (the *batch*; its grant time is the batch's
+after a run takes ``<key>#debounce:<task name>`` (the *batch*; its grant time is the batch's
 start by the database clock); a submission's countdown is cut to what is left of
 ``T`` since then. Every submission of a batch is thus due by the batch's deadline,
 so the newest one (which holds the pending place) runs by then, with the newest
@@ -39,9 +39,9 @@ from taskguard.lease import Lease
 __all__ = ["batch_key", "publish_debounced", "started"]
 
 
-def batch_key(key: str) -> str:
-    """The companion key whose row marks the start of ``key``'s current batch."""
-    return companion_key(key, "debounce")
+def batch_key(key: str, task_name: str) -> str:
+    """The companion key whose row marks the start of the task's current batch on ``key``."""
+    return companion_key(key, "debounce", task_name)
 
 
 def publish_debounced(
@@ -66,7 +66,7 @@ def publish_debounced(
         cap = float(opts.debounce_max)
         details = {"task_name": task.name, "task_id": stored_task_id(task_id)}
         batch, info = acquire_or_holder(
-            guard, batch_key(key), clamp_ttl(cap + queue_ttl), **details
+            guard, batch_key(key, task.name), clamp_ttl(cap + queue_ttl), **details
         )
         left = cap
         if batch is None and info is not None:
@@ -80,7 +80,7 @@ def publish_debounced(
         task, guard, key, task_id, clamp_ttl(countdown + queue_ttl), replace=True
     )
     if lease is None and holder is not None:  # lost three races to newer submissions
-        return pending.merged(task, key, task_id, holder, options)
+        return pending.merged(task, send, key, task_id, holder, args, kwargs, headers, options)
     if lease is not None:
         header["pending"] = lease.to_dict()
     headers[HEADER] = header

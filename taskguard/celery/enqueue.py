@@ -5,10 +5,10 @@ The key is derived once and put in the message header. With a queue phase
 handed to the worker in the header; a conflict is acted on per ``on_conflict``.
 
 Inside a canvas (a chord or group member, a chain link, a task with link
-callbacks) a skipped member is still published, carrying its skipped marker: the
-worker returns the marker without running the body, so the chord counts it, the
-chain passes it on and nothing waits for a task that was never sent.
-``on_conflict="existing"`` has no result to hand a canvas and behaves the same;
+callbacks) a skipped member is still published, carrying its skipped marker (see
+:func:`taskguard.celery.results.answered`); so is a coalesced one (merged into a
+pending run). ``on_conflict="existing"`` has no result to hand a canvas and behaves
+the same as ``"skip"``;
 ``"raise"`` raises :class:`AlreadyLocked` from ``apply_async`` (the canvas fails
 at once); ``"retry"`` publishes the member deferred, as outside a canvas.
 """
@@ -33,19 +33,15 @@ from taskguard.celery.leasing import (
     release_quietly,
     send_released,
 )
-from taskguard.celery.results import marker_in_hand, skipped_result
+from taskguard.celery.results import answered, in_canvas, skipped_result
 from taskguard.celery.taskids import is_shortened, stored_task_id
 from taskguard.config import guard_for
 from taskguard.exceptions import AlreadyLocked
 from taskguard.lease import LockInfo
 
-__all__ = ["CANVAS_OPTIONS", "publish"]
+__all__ = ["publish"]
 
 log = logging.getLogger("taskguard.celery")
-
-#: ``apply_async`` options that make a message part of a canvas: something waits
-#: for its result or is published after it.
-CANVAS_OPTIONS = ("chord", "group_id", "chain", "link", "link_error")
 
 #: ``send(args, kwargs, task_id, headers, options)``: Celery's own apply_async.
 Send = Callable[[Any, Any, Any, dict[str, Any], dict[str, Any]], Any]
@@ -97,11 +93,6 @@ def publish(
         raise
 
 
-def in_canvas(options: Mapping[str, Any]) -> bool:
-    """Whether a message published with ``options`` is part of a canvas."""
-    return any(options.get(name) for name in CANVAS_OPTIONS)
-
-
 def _conflict(
     task: Any,
     send: Send,
@@ -146,15 +137,12 @@ def _conflict(
         options["countdown"] = countdown
         return send(args, kwargs, task_id, headers, options)
     value = skipped_result(task=task.name, task_id=task_id, key=key, phase="queue", holder=holder)
-    if canvas:
-        log.warning(
-            "skipped %s[%s]: lock %r is held by %s; publishing its skipped marker for the canvas",
-            task.name,
-            task_id,
-            key,
-            described,
-        )
-        headers[HEADER] = {"v": 1, "key": key, "via": "enqueue", "skipped": value}
-        return send(args, kwargs, task_id, headers, options)
-    log.warning("skipped %s[%s]: lock %r is held by %s", task.name, task_id, key, described)
-    return marker_in_hand(task, task_id, value, options)
+    log.warning(
+        "skipped %s[%s]: lock %r is held by %s%s",
+        task.name,
+        task_id,
+        key,
+        described,
+        "; publishing its skipped marker for the canvas" if canvas else "",
+    )
+    return answered(task, send, key, task_id, value, args, kwargs, headers, options)

@@ -2,8 +2,10 @@
 
 ``{"v": 1, "key": <stored lock key>, "via": "enqueue"|"retry",
 "lease": Lease.to_dict() (a lease handed to the worker), "deferred": True
-(published late by on_conflict="retry" at enqueue), "skipped": <marker> (a canvas
-member refused at enqueue; the worker returns the marker without running)}``.
+(published late by on_conflict="retry" at enqueue, or retried after a conflict in
+the worker under lock="queue": the worker checks the key again), "marker": <marker>
+(a canvas member answered at enqueue, skipped or coalesced; the worker returns the
+marker without running)}``.
 [coalesce/debounce/rate] also ``"pending": Lease.to_dict()`` (the key's pending
 place, see taskguard.celery.pending), ``"debounce": {"batch": Lease.to_dict()}``,
 ``"polls": n`` (deferrals so far) and ``"deferred": "rate"|"coalesce"`` on a copy

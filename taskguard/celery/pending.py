@@ -1,16 +1,22 @@
-"""``on_conflict="coalesce"``: per key at most one running and one pending run.
+"""``on_conflict="coalesce"``: per key at most one running and one pending run of
+the task.
 
-The pending run is a lease on the companion key ``<key>#pending``, held by the
-pending submission's task id:
+The pending run is a lease on the companion key ``<key>#pending:<task name>``, held
+by the pending submission's task id. It is the task's own: a submission only ever
+merges into a pending run of the same task, so two tasks that share a key (an
+importer that coalesces, a debounced reindexer) each keep their pending run, and
+both still run one at a time under the key's lock.
 
-* **enqueue**: a submission takes ``<key>#pending`` and is published carrying that
+* **enqueue**: a submission takes the pending place and is published carrying that
   lease; if another submission holds it, this one is *merged* into it: nothing is
-  published and the caller gets a ``coalesced`` marker naming the pending task id.
+  published and the caller gets a ``coalesced`` marker naming the pending task id
+  (inside a canvas the message is published carrying the marker, see
+  :func:`taskguard.celery.results.answered`).
   With ``coalesce_replace=True`` the submission ends the pending run's row and
   takes it instead (its arguments are the newest); the replaced message, when it
   arrives, finds the row is not its own and returns the marker without running.
 * **worker**: the pending message first checks the row is still its own (renewing
-  it), then takes the task's key. Key free: it gives ``<key>#pending`` up (the
+  it), then takes the task's key. Key free: it gives its pending place up (the
   next submission becomes the pending run) and runs. Key held: it is *deferred*
   (published again with a short countdown, no worker slot held; see
   :mod:`taskguard.celery.deferral`), keeping the row.
@@ -45,7 +51,7 @@ from taskguard.celery.leasing import (
     lease_from_info,
     release_quietly,
 )
-from taskguard.celery.results import MARKER, marker_in_hand
+from taskguard.celery.results import MARKER, answered
 from taskguard.celery.taskids import stored_task_id
 from taskguard.companions import companion_key
 from taskguard.config import guard_for
@@ -84,9 +90,9 @@ _REPLACE_ATTEMPTS = 3
 _REPLACEMENT_WAIT = 2.0
 
 
-def pending_key(key: str) -> str:
-    """The companion key whose row names ``key``'s pending run."""
-    return companion_key(key, "pending")
+def pending_key(key: str, task_name: str) -> str:
+    """The companion key whose row names the pending run of task ``task_name`` on ``key``."""
+    return companion_key(key, "pending", task_name)
 
 
 def coalesced_result(
@@ -129,7 +135,7 @@ def publish_coalesced(
     ttl = clamp_ttl(task._queue_ttl() + publish_delay(options))
     lease, holder = take_place(task, guard, key, task_id, ttl, replace=opts.coalesce_replace)
     if lease is None and holder is not None:
-        return merged(task, key, task_id, holder, options)
+        return merged(task, send, key, task_id, holder, args, kwargs, headers, options)
     header: dict[str, Any] = {"v": 1, "key": key, "via": "enqueue"}
     if lease is not None:
         header["pending"] = lease.to_dict()
@@ -149,7 +155,7 @@ def take_place(
     the pending run there is. ``replace``: end that run's place (released by its
     owner id, so a concurrent replacement is never undone) and take it."""
     details = {"task_name": task.name, "task_id": stored_task_id(task_id)}
-    pkey = pending_key(key)
+    pkey = pending_key(key, task.name)
     lease, holder = acquire_or_holder(guard, pkey, ttl, **details)
     for _ in range(_REPLACE_ATTEMPTS if replace else 0):
         if lease is not None or holder is None:
@@ -166,15 +172,26 @@ def take_place(
     return lease, holder
 
 
-def merged(task: Any, key: str, task_id: str, holder: LockInfo, options: dict[str, Any]) -> Any:
-    """Merge a submission into the pending run ``holder`` names: an EagerResult
-    holding the ``coalesced`` marker (stored in the result backend too)."""
+def merged(
+    task: Any,
+    send: Any,
+    key: str,
+    task_id: str,
+    holder: LockInfo,
+    args: Any,
+    kwargs: Any,
+    headers: dict[str, Any],
+    options: dict[str, Any],
+) -> Any:
+    """Merge a submission into the pending run ``holder`` names: the ``coalesced``
+    marker, in an EagerResult (stored in the result backend too), or published for
+    the worker to return when the submission is part of a canvas."""
     into = holder.holder.task_id
     log.info("merged %s[%s] into pending run %s of key %r", task.name, task_id, into, key)
     signals.lock_conflict.send(sender=task, key=key, holder=holder, action="coalesce")
     signals.run_coalesced.send(sender=task, key=key, task_id=task_id, into=into, replaced=False)
     value = coalesced_result(task=task.name, task_id=task_id, key=key, into=into, phase="queue")
-    return marker_in_hand(task, task_id, value, options)
+    return answered(task, send, key, task_id, value, args, kwargs, headers, options)
 
 
 # -- worker ---------------------------------------------------------------------------------
@@ -193,7 +210,7 @@ def claim(
     handed = header.get("pending")
     if not isinstance(handed, dict):
         return None, None
-    pkey = pending_key(key)
+    pkey = pending_key(key, task.name)
     try:
         mine = Lease.from_dict(handed)
         lease = guard.adopt(pkey, mine.owner, _pending_ttl(task), slot=mine.slot)
@@ -275,7 +292,7 @@ def wait_for_key(
     if another submission is pending already, return the coalesced marker."""
     if lease is None:  # a message published without the pending place (send_task, beat)
         got, other = acquire_or_holder(
-            guard, pending_key(key), _pending_ttl(task),
+            guard, pending_key(key, task.name), _pending_ttl(task),
             task_name=task.name, task_id=stored_task_id(request.id),
         )  # fmt: skip
         if got is None and other is not None:

@@ -78,7 +78,7 @@ MAX_BATCH = 100
 #: Longest a reserved message waits for its batch (seconds), whatever the counts say.
 MAX_DELAY = 0.05
 #: Header fields that mean the message takes another path (see the module docstring).
-_OTHER_PATHS = ("lease", "skipped", "pending", "debounce", "deferred", GRANTED)
+_OTHER_PATHS = ("lease", "marker", "pending", "debounce", "deferred", GRANTED)
 
 
 def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:

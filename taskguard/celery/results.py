@@ -16,20 +16,39 @@ returns, and what chained callbacks receive) is a plain dict::
 It is a plain dict so it survives any result serializer. Test with
 :func:`is_skipped` (on the value, or on the ``AsyncResult`` of a finished task);
 the Celery state of such a result is ``SUCCESS``.
+
+A submission answered at enqueue (skipped, or merged into a pending run) is
+:func:`answered`: outside a canvas nothing is published; inside one (a chord or
+group member, a chain link, a task with link callbacks) the message is published
+anyway, carrying its marker, and the worker returns the marker without running the
+body: the chord counts it, the chain passes it on, and nothing waits for a task
+that was never sent.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from celery import states as celery_states
 from celery.result import AsyncResult, EagerResult
 
+from taskguard.celery.header import HEADER
 from taskguard.exceptions import InvalidArgument
 from taskguard.lease import LockInfo
 
-__all__ = ["MARKER", "SKIPPED", "is_skipped", "marker_in_hand", "skipped_result"]
+__all__ = [
+    "CANVAS_OPTIONS",
+    "MARKER",
+    "SKIPPED",
+    "answered",
+    "in_canvas",
+    "is_marker",
+    "is_skipped",
+    "marker_in_hand",
+    "skipped_result",
+]
 
 log = logging.getLogger("taskguard.celery")
 
@@ -37,6 +56,9 @@ log = logging.getLogger("taskguard.celery")
 MARKER = "__taskguard__"
 #: ``value[MARKER]`` of a skipped run.
 SKIPPED = "skipped"
+#: ``apply_async`` options that make a message part of a canvas: something waits
+#: for its result or is published after it.
+CANVAS_OPTIONS = ("chord", "group_id", "chain", "link", "link_error")
 
 
 def skipped_result(
@@ -73,6 +95,35 @@ def is_skipped(value: object) -> bool:
             )
         value = value.result
     return isinstance(value, dict) and value.get(MARKER) == SKIPPED
+
+
+def is_marker(value: object) -> bool:
+    """Whether ``value`` is one of taskguard's markers (skipped, coalesced)."""
+    return isinstance(value, dict) and isinstance(value.get(MARKER), str)
+
+
+def in_canvas(options: Mapping[str, Any]) -> bool:
+    """Whether a message published with ``options`` is part of a canvas."""
+    return any(options.get(name) for name in CANVAS_OPTIONS)
+
+
+def answered(
+    task: Any,
+    send: Callable[..., Any],
+    key: str,
+    task_id: str,
+    value: dict[str, Any],
+    args: Any,
+    kwargs: Any,
+    headers: dict[str, Any],
+    options: dict[str, Any],
+) -> Any:
+    """What ``apply_async`` returns for a submission answered at enqueue with the
+    marker ``value`` (see the module docstring); ``send`` is Celery's own publish."""
+    if not in_canvas(options):
+        return marker_in_hand(task, task_id, value, options)
+    headers[HEADER] = {"v": 1, "key": key, "via": "enqueue", "marker": value}
+    return send(args, kwargs, task_id, headers, options)
 
 
 def marker_in_hand(task: Any, task_id: str, value: dict[str, Any], options: Any) -> EagerResult:

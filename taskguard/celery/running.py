@@ -5,8 +5,8 @@ The lease is taken (or adopted from the message), renewed while the body runs,
 and released in a ``finally`` so every way out (return, exception, Reject,
 Ignore, soft time limit) gives it back exactly once; a ``retry()`` hands it to
 the retry message instead. A copy of a task id that already finished is dropped
-(see :mod:`taskguard.celery.completions`); a canvas member refused at enqueue
-returns the skipped marker it carries without running.
+(see :mod:`taskguard.celery.completions`); a canvas member answered at enqueue
+(skipped, coalesced) returns the marker it carries without running.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from taskguard.celery.leasing import (
     send_released,
 )
 from taskguard.celery.renewal import ActiveRun, Heartbeat, enter_run, exit_run
-from taskguard.celery.results import is_skipped, skipped_result
+from taskguard.celery.results import is_marker, skipped_result
 from taskguard.celery.taskids import stored_task_id
 from taskguard.config import guard_for, setting
 from taskguard.exceptions import AlreadyLocked
@@ -45,9 +45,9 @@ def run_guarded(task: Any, request: Any, args: tuple[Any, ...], kwargs: dict[str
     """Run ``task``'s body for ``request`` under its lease (see the module docstring)."""
     opts = task.taskguard_options
     header = header_of(request)
-    marker = header.get("skipped")
-    if is_skipped(marker):
-        return marker  # refused at enqueue; published only so the canvas goes on
+    marker = header.get("marker")
+    if is_marker(marker):
+        return marker  # answered at enqueue; published only so the canvas goes on
     key = message_key(opts, header, args, kwargs)
     guard = guard_for(task._get_app())
     track = completions.tracks(task, request)
@@ -236,6 +236,8 @@ def run_conflict(
         log.warning("refused %s[%s]: lock %r is held by %s", task.name, request.id, key, described)
         raise AlreadyLocked(key, holder)
     countdown = conflict_countdown(None if own else opts.retry_countdown, holder)
+    if not opts.locks_run:  # lock="queue": the retry is checked again, like a deferral
+        request.taskguard_deferred = True
     log.warning(
         "retrying %s[%s] in %.1fs (%s): lock %r is held by %s",
         task.name,

@@ -140,6 +140,8 @@ class GuardedTask(Task):  # type: ignore[misc]
         key = run.key if mine and run is not None else header_of(request).get("key")
         if key:
             header["key"] = key
+        if getattr(request, "taskguard_deferred", False):
+            header["deferred"] = True  # a lock="queue" conflict (running.run_conflict)
         handing = False
         # throw=False lets the body go on after publishing: no hand-off then; the lease
         # is released at the end and the retried run acquires (waiting for us if need be).

@@ -44,7 +44,9 @@ def explain(
         stored = normalize_key(key)
     with open_guard(ctx, database_url) as guard:
         events, rows = guard.events(stored, limit=limit), guard.get_all(stored)
-        companions = describe_companions(stored, guard.get_all)  # [coalesce/rate/debounce]
+        companions = describe_companions(
+            stored, lambda prefix: guard.held(prefix, companions=True)
+        )  # [coalesce/rate/debounce]
     if not events and not rows:
         fail(
             f"nothing recorded for {stored!r} (no history and no lock row)",

@@ -16,7 +16,7 @@ import click
 
 from taskguard.cli.errors import EXIT_NOT_FOUND, EXIT_USAGE, OneLineUsage, fail
 from taskguard.cli.root import celery_app, database_url_option, main_group, open_guard
-from taskguard.companions import ROLES, companion_key, describe_companions
+from taskguard.companions import companion_rows, describe_companions
 from taskguard.config import setting
 from taskguard.display import format_duration, lock_details, locks_table, printable
 from taskguard.guard import TaskGuard
@@ -84,7 +84,7 @@ def locks(
     "-a",
     "show_all",
     is_flag=True,
-    help="Also KEY's companion rows (KEY#pending, KEY#rate, KEY#debounce).",
+    help="Also KEY's companion rows (pending runs, rate slots, debounce batches).",
 )
 @click.pass_context
 def show(
@@ -95,9 +95,13 @@ def show(
     Exit code 1 when KEY has no row at all (with --json, a JSON error object too)."""
     with open_guard(ctx, database_url) as guard:
         infos = guard.get_all(key)
-        companions = describe_companions(key, guard.get_all)  # [coalesce/rate/debounce]
+
+        def held(prefix: str) -> list[LockInfo]:
+            return guard.held(prefix, companions=True)
+
+        companions = describe_companions(key, held)  # [coalesce/rate/debounce]
         if show_all and infos:
-            infos += [i for role in ROLES for i in guard.get_all(companion_key(key, role))]
+            infos += companion_rows(key, held)
     if not infos:
         fail(
             f"no lock row for {key!r} (never locked, or reaped after it expired)",

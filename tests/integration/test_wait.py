@@ -6,18 +6,19 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import signal
 import time
-from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import Engine, create_engine, select
+from sqlalchemy import create_engine, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
 from taskguard import TaskGuard
 from taskguard.models import TaskLock
+from taskguard.waiting import RENEW_EVERY, RESERVATION
 
 pytestmark = pytest.mark.slow
 
@@ -50,8 +51,10 @@ def _holder(url: str, key: str, hold: float, ready: Any, out: Any) -> None:
     guard.dispose()
 
 
-def _waiter(url: str, key: str, timeout: float, out: Any) -> None:
+def _waiter(url: str, key: str, timeout: float, out: Any, in_line: Any = None) -> None:
     guard = TaskGuard(url)
+    if in_line is not None:
+        _telling_when_in_line(guard, in_line)
     sent = _counting(guard)
     lease = guard.acquire(key, 60, wait=timeout)
     out.put(
@@ -77,10 +80,13 @@ def test_waiter_is_woken_within_100ms_of_release_without_polling(pg_url: str) ->
     assert "granted" in results, results
     latency = results["granted"][1] - results["released"][1]
     assert latency < 0.1, f"woken {latency:.3f}s after the release"
-    # try (its statement also reads the holder, for the log), announce, then one try
-    # after the NOTIFY; a poller backing off from 10 ms would have sent dozens in 1.5 s.
+    # try (its statement also reads the holder, for the log), announcements (the first,
+    # then one renewal of its place in line per RENEW_EVERY), then one try after the
+    # NOTIFY; a poller backing off from 10 ms would have sent dozens of tries in 1.5 s.
     sent = results["granted"][2]
-    assert sent == ["WITH", "UPDATE", "WITH"], sent
+    assert sent[0] == "WITH" and sent[-1] == "WITH", sent
+    assert set(sent[1:-1]) == {"UPDATE"}, sent
+    assert len(sent) - 2 <= 1.5 / RENEW_EVERY + 2, sent
 
 
 def test_wait_times_out_and_logs_the_holder(
@@ -147,22 +153,22 @@ def _holder_slot(url: str, ready: Any, out: Any) -> None:
     guard.dispose()
 
 
-def _wanted_until(engine: Engine, key: str) -> datetime | None:
-    with engine.connect() as conn:
-        return conn.execute(select(TaskLock.wanted_until).where(TaskLock.key == key)).scalar_one()
+def _telling_when_in_line(guard: TaskGuard, in_line: Any) -> None:
+    """Set ``in_line`` once ``guard``'s waiter has announced itself (is in line)."""
+    announce = guard._store.waiters.announce
+
+    def announced(*args: Any, **kwargs: Any) -> Any:
+        found = announce(*args, **kwargs)
+        in_line.set()
+        return found
+
+    guard._store.waiters.announce = announced  # type: ignore[method-assign]
 
 
-def _moved_on(before: datetime | None, now: datetime | None) -> bool:
-    """A new waiter raised wanted_until by ~10 s (a re-announcement by one already
-    in line moves it by microseconds at most)."""
-    if now is None:
-        return False
-    return before is None or now - before > timedelta(seconds=5)
-
-
-def _queued(url: str, name: str, out: Any, wait: float = 30) -> None:
+def _queued(url: str, name: str, out: Any, in_line: Any) -> None:
     guard = TaskGuard(url)
-    lease = guard.acquire("fair", 30, wait=wait, task_name=name)
+    _telling_when_in_line(guard, in_line)
+    lease = guard.acquire("fair", 30, wait=30, task_name=name)
     assert lease is not None, name
     out.put((name, lease.token))
     time.sleep(0.2)
@@ -193,20 +199,14 @@ def test_the_longest_waiter_goes_first_and_nobody_starves(db_url: str) -> None:
         first = guard.acquire("fair", 30, task_name="first")
         assert first is not None
         waiters = []
-        engine = create_engine(db_url, poolclass=NullPool)  # no socket shared by a fork
         for i in range(3):
-            # Each waiter waits 10 s longer than the one before, so its place in line
-            # shows as wanted_until moving on; it starts only once the one before is
-            # in line (sleeps alone misorder them on a loaded machine).
-            before = _wanted_until(engine, "fair")
-            p = ctx.Process(target=_queued, args=(db_url, f"w{i}", out, 30 + 10 * i))
+            # Each waiter starts only once the one before is in line (sleeps alone
+            # misorder them on a loaded machine).
+            in_line = ctx.Event()
+            p = ctx.Process(target=_queued, args=(db_url, f"w{i}", out, in_line))
             p.start()
             waiters.append(p)
-            deadline = time.monotonic() + 30
-            while not _moved_on(before, _wanted_until(engine, "fair")):
-                assert time.monotonic() < deadline, f"w{i} never announced itself"
-                time.sleep(0.02)
-        engine.dispose()
+            assert in_line.wait(30), f"w{i} never announced itself"
         stream = ctx.Process(target=_newcomers, args=(db_url, stop, out))
         stream.start()
         time.sleep(0.2)
@@ -290,10 +290,75 @@ def test_a_granted_waiter_leaves_no_reservation_behind(db_url: str) -> None:
         waiter.join(15)
         assert verdict == "granted"  # and it released the key again
         # Others, back to back: each release must leave the key free at once.
-        for _ in range(3):
-            lease = other.acquire(key, 60)
-            assert lease is not None, "the departed waiter's reservation still blocks the key"
-            assert other.release(lease)
+        _free_after_each_release(other, key, 3)
     finally:
         guard.dispose()
         other.dispose()
+
+
+def _free_after_each_release(guard: TaskGuard, key: str, times: int) -> None:
+    """Acquire ``key`` without waiting right after each release, ``times`` times: a
+    waiter's reservation, were it still there, refuses that for RESERVE_GRACE."""
+    for _ in range(times):
+        lease = guard.acquire(key, 60)
+        assert lease is not None, "a departed waiter's reservation still holds the key"
+        assert guard.release(lease)
+
+
+def _in_line(url: str, key: str, wait: float, out: Any) -> Any:
+    """A process waiting up to ``wait`` s for ``key``, once it has announced itself."""
+    ctx = mp.get_context("fork")
+    in_line = ctx.Event()
+    waiter = ctx.Process(target=_waiter, args=(url, key, wait, out, in_line))
+    waiter.start()
+    assert in_line.wait(30), "the waiter never announced itself"
+    return waiter
+
+
+def test_a_killed_waiter_stops_holding_up_the_key_within_its_reservation(db_url: str) -> None:
+    """Issue 28 E: a SIGKILLed waiter's place in line lapses within RESERVATION
+    seconds, not at the end of its whole wait: then a release frees the key for
+    anyone at once again (no acquire refused while the key is free, no hand-over
+    delayed by the reservation grace)."""
+    key = "wait:killed-waiter"
+    guard, other = TaskGuard(db_url), TaskGuard(db_url)
+    try:
+        holder = guard.acquire(key, 60)
+        assert holder is not None
+        waiter = _in_line(db_url, key, 120.0, mp.get_context("fork").Queue())
+        os.kill(waiter.pid, signal.SIGKILL)  # it never withdraws
+        waiter.join(timeout=30)
+        time.sleep(RESERVATION + 0.5)
+        assert guard.release(holder)
+        _free_after_each_release(other, key, 5)
+    finally:
+        guard.dispose()
+        other.dispose()
+
+
+def test_a_live_waiter_keeps_its_place_beyond_one_reservation(db_url: str) -> None:
+    """A waiter renews its place in line while it waits: long after its first
+    announcement the row is still reserved for it (and the release goes to it)."""
+    key = "wait:renewed-place"
+    out = mp.get_context("fork").Queue()
+    guard = TaskGuard(db_url)
+    engine = create_engine(db_url, poolclass=NullPool)
+    try:
+        holder = guard.acquire(key, 60)
+        assert holder is not None
+        waiter = _in_line(db_url, key, 30.0, out)
+        time.sleep(RESERVATION + 0.5)
+        with engine.connect() as conn:
+            next_owner, next_until = conn.execute(
+                select(TaskLock.next_owner, TaskLock.next_until).where(TaskLock.key == key)
+            ).one()
+        info = guard.get(key)
+        assert info is not None and next_owner not in (None, holder.owner)
+        assert next_until > info.read_at, "the waiter's place in line lapsed"
+        assert guard.release(holder)
+        assert out.get(timeout=30)[0] == "granted"
+        waiter.join(timeout=30)
+        assert waiter.exitcode == 0
+    finally:
+        guard.dispose()
+        engine.dispose()

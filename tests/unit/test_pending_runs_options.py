@@ -126,20 +126,25 @@ def _row(key: str, slot: int, task_id: str, age: float, left: float) -> LockInfo
 
 
 def test_companion_rows_are_described() -> None:
-    rows = {
-        companion_key("feed:a", "pending"): [_row("feed:a#pending", 0, "p-1", 3, 10)],
-        companion_key("feed:a", "rate"): [
-            _row("feed:a#rate", 0, "r", 1, 4),
-            _row("feed:a#rate", 1, "r", 2, 3),
-            _row("feed:a#rate", 2, "r", 9, -1),  # its window is over
-        ],
-    }
-    lines = describe_companions("feed:a", lambda key: rows.get(key, []))
+    pending = companion_key("feed:a", "pending", "app.feed")
+    assert pending == "feed:a#pending:app.feed"
+    rows = [
+        _row(pending, 0, "p-1", 3, 10),
+        _row(companion_key("feed:a", "pending", "app.other"), 0, "p-2", 1, 10),
+        _row("feed:a#rate", 0, "r", 1, 4),
+        _row("feed:a#rate", 1, "r", 2, 3),
+        _row("feed:a#rate", 2, "r", 9, -1),  # its window is over
+        _row("feed:a#ratex", 0, "x", 1, 4),  # another key, not a companion
+    ]
+    lines = describe_companions(
+        "feed:a", lambda prefix: [r for r in rows if r.key.startswith(prefix)]
+    )
     assert lines == [
         "pending run: task p-1 (app.feed), waiting 3.0s; starts when 'feed:a' is free",
+        "pending run: task p-2 (app.feed), waiting 1.0s; starts when 'feed:a' is free",
         "rate: 2 start(s) in the current window; the next slot frees in 3.0s",
     ]
-    assert describe_companions("feed:b", lambda key: []) == []
+    assert describe_companions("feed:b", lambda prefix: []) == []
     with pytest.raises(ValueError, match="unknown companion role"):
         companion_key("k", "queue")
 

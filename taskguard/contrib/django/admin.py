@@ -18,7 +18,7 @@ from django.conf import settings
 from django.contrib import admin, messages
 from django.db.models import BooleanField, Exists, ExpressionWrapper, OuterRef, Q
 
-from taskguard.companions import FINISHED_PREFIX, SUFFIXES
+from taskguard.companions import ENDING, FINISHED_PREFIX
 from taskguard.contrib.django import conf
 from taskguard.contrib.django.models import FORCE_RELEASE_PERMISSION, HeldLock, LockEvent
 from taskguard.contrib.django.release import force_release_as
@@ -69,10 +69,7 @@ class _ByHost(_PrintableValues):
 
 def _companions() -> Q:
     """The Celery glue's companion rows (:mod:`taskguard.companions`)."""
-    q = Q(key__startswith=FINISHED_PREFIX)
-    for suffix in SUFFIXES:
-        q |= Q(key__endswith=suffix)
-    return q
+    return Q(key__startswith=FINISHED_PREFIX) | Q(key__regex=ENDING)
 
 
 class _Rows(admin.SimpleListFilter):

@@ -1,12 +1,14 @@
-"""What the coalesce and rate worker tests share: one real prefork worker per lock
-store (PostgreSQL, SQLite) per test module, runs recorded in PostgreSQL."""
+"""What the coalesce, rate and combination-matrix worker tests share: one real
+prefork worker per lock store (and broker) per test module, every run recorded in
+PostgreSQL (``tg_pending_runs``), whichever store holds the locks."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -15,7 +17,13 @@ from typing import Any
 import psycopg
 import pytest
 from celery import Celery
-from conftest import REDIS_URL, drop_pg_database, new_pg_database
+from conftest import (
+    REDIS_URL,
+    drop_maria_database,
+    drop_pg_database,
+    new_maria_database,
+    new_pg_database,
+)
 from tg_pending_app import RUNS_DDL, make_app
 from tg_worker_app import libpq_url
 from workers import Worker, start_worker, unique_queue
@@ -33,12 +41,14 @@ class PendingEnv:
     worker: Worker
     guard: TaskGuard
     runs_url: str
+    broker: str = "redis"
+    lock_url: str = ""
 
     def task(self, name: str) -> Any:
         return self.app.tasks[name]
 
     def key_id(self, name: str) -> str:
-        return f"{self.store}-{name}-{uuid.uuid4().hex[:6]}"
+        return f"{self.store}-{self.broker}-{name}-{uuid.uuid4().hex[:6]}"
 
 
 @dataclass
@@ -60,28 +70,55 @@ def runs(env: PendingEnv, key_id: str) -> list[PendingRun]:
     return [PendingRun(*row) for row in rows]
 
 
-@pytest.fixture(scope="module", params=STORES, name="penv")
-def pending_env(request: pytest.FixtureRequest, pg_template: str) -> Iterator[PendingEnv]:
-    runs_url = new_pg_database(pg_template)
+#: ``make_app(broker_url, result_backend, queue, lock_url, runs_url)`` of a worker app.
+AppFactory = Callable[[str, str, str, str, str], Celery]
+
+
+@contextlib.contextmanager
+def running_env(
+    request: pytest.FixtureRequest,
+    store: str,
+    *,
+    app_module: str = "tg_pending_app",
+    app_factory: AppFactory = make_app,
+    broker: str = "redis",
+    broker_url: str = REDIS_URL,
+    concurrency: int = 4,
+    worker_env: dict[str, str] | None = None,
+) -> Iterator[PendingEnv]:
+    """A worker of ``app_module`` whose locks live in ``store`` (postgresql, sqlite,
+    mariadb), on ``broker_url``; runs recorded in a PostgreSQL database of its own.
+    ``worker_env``: more environment for the worker."""
+    runs_url = new_pg_database(request.getfixturevalue("pg_template"))
     with psycopg.connect(libpq_url(runs_url), autocommit=True) as conn:
         conn.execute(RUNS_DDL)
     tmp = Path(tempfile.mkdtemp(prefix="tg-pending-"))
     lock_url = runs_url
-    if request.param == "sqlite":
+    if store == "sqlite":
         lock_url = f"sqlite:///{tmp / 'locks.sqlite'}"
         schema.upgrade(lock_url)
-    queue = unique_queue(f"tgp-{request.param}")
-    app = make_app(REDIS_URL, REDIS_URL, queue, lock_url, runs_url)
+    elif store == "mariadb":
+        lock_url = new_maria_database(request.getfixturevalue("maria_template"))
+    queue = unique_queue(f"tgp-{store}-{broker}")
+    app = app_factory(broker_url, REDIS_URL, queue, lock_url, runs_url)
     guard = TaskGuard(lock_url)
     try:
         with start_worker(
-            "tg_pending_app", REDIS_URL, lock_url, 4, queue=queue, result_backend=REDIS_URL,
-            env={"TG_RUNS_URL": runs_url},
+            app_module, broker_url, lock_url, concurrency, queue=queue, result_backend=REDIS_URL,
+            env={"TG_RUNS_URL": runs_url, **(worker_env or {})},
         ) as worker:  # fmt: skip
-            yield PendingEnv(request.param, app, worker, guard, runs_url)
+            yield PendingEnv(store, app, worker, guard, runs_url, broker, lock_url)
     finally:
         guard.dispose()
         app.close()
         reset_guards()
         drop_pg_database(runs_url)
+        if store == "mariadb":
+            drop_maria_database(lock_url)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", params=STORES, name="penv")
+def pending_env(request: pytest.FixtureRequest) -> Iterator[PendingEnv]:
+    with running_env(request, request.param) as env:
+        yield env

@@ -95,7 +95,7 @@ def test_a_revoked_pending_run_gives_its_place_back(penv: PendingEnv) -> None:
     penv.app.control.revoke(revoked.id)
     # Its next re-check (at most 0.5 s away) finds it revoked and frees the place.
     wait_for(
-        lambda: (row := penv.guard.get(f"co:{kid}#pending")) is None or not row.held,
+        lambda: (row := penv.guard.get(f"co:{kid}#pending:tgp.coalesce")) is None or not row.held,
         10,
         "the revoked pending run to give its place up",
     )

@@ -129,6 +129,18 @@ def record(task: Any, key_id: str, duration: float, *, keep_open: bool = False) 
     return token or 0
 
 
+def visibility_from_environment(app: Celery) -> None:
+    """Redis: unacked messages come back after ``TASKGUARD_TEST_VISIBILITY_TIMEOUT``
+    seconds (when set), looked for every 0.5 s (kombu's default: every 10 s)."""
+    visibility = os.environ.get("TASKGUARD_TEST_VISIBILITY_TIMEOUT")
+    if visibility:
+        app.conf.broker_transport_options = {
+            "visibility_timeout": float(visibility),
+            "unacked_restore_interval": 0.5,
+            "unacked_restore_throttle": 1,
+        }
+
+
 def make_app(broker_url: str, result_backend: str | None, queue: str, database_url: str) -> Celery:
     """The app (tasks registered) for these settings."""
     app = Celery("tg_worker_app", set_as_current=False)
@@ -152,14 +164,7 @@ def make_app(broker_url: str, result_backend: str | None, queue: str, database_u
     retention = os.environ.get("TASKGUARD_TEST_FINISHED_RETENTION")
     if retention:
         app.conf.taskguard_finished_retention = float(retention)
-    visibility = os.environ.get("TASKGUARD_TEST_VISIBILITY_TIMEOUT")
-    if visibility:  # Redis: unacked messages come back after this many seconds
-        # ... and are looked for every 0.5 s (kombu's default: every 10 s).
-        app.conf.broker_transport_options = {
-            "visibility_timeout": float(visibility),
-            "unacked_restore_interval": 0.5,
-            "unacked_restore_throttle": 1,
-        }
+    visibility_from_environment(app)
 
     @guarded_task(app=app, shared=False, name="tg.slow", key="slow:{key_id}", ttl=3, bind=True)
     def slow(self: Any, key_id: str, duration: float = 0.3) -> int:
