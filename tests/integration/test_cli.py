@@ -79,13 +79,15 @@ def test_locks_lists_held_locks_and_companion_rows_on_request(
     """Issue 27, item 7: finished runs' records crowded the list (51 of 52 rows)."""
     lock = guard.acquire("feed:1", 300, task_name="feeds.import")
     assert lock is not None
-    for key in ("feed:1#pending", "feed:1#debounce", "feed:0#rate", "taskguard:finished:t-1"):
+    companions = ("feed:1#pending:feeds.import", "feed:1#debounce:feeds.reindex", "feed:0#rate",
+                  "taskguard:finished:t-1")  # fmt: skip
+    for key in companions:
         assert guard.acquire(key, 300, task_name="feeds.import") is not None
     assert [r["key"] for r in json.loads(tg("locks", "--json", env=env))] == ["feed:1"]
     assert [line.split()[0] for line in tg("locks", env=env).splitlines()] == ["KEY", "feed:1"]
     every = [r["key"] for r in json.loads(tg("locks", "--all", "--json", env=env))]
-    assert every == ["feed:0#rate", "feed:1", "feed:1#debounce", "feed:1#pending",
-                     "taskguard:finished:t-1"]  # fmt: skip
+    assert every == ["feed:0#rate", "feed:1", "feed:1#debounce:feeds.reindex",
+                     "feed:1#pending:feeds.import", "taskguard:finished:t-1"]  # fmt: skip
     # The API's limit counts locks, however many companion rows sort before them.
     for i in range(5):
         assert guard.acquire(f"a:{i}#pending", 300) is not None
@@ -94,7 +96,9 @@ def test_locks_lists_held_locks_and_companion_rows_on_request(
     # `show` names a key's companions; --all lists their rows too.
     assert [r["key"] for r in json.loads(tg("show", "feed:1", "--json", env=env))] == ["feed:1"]
     shown = json.loads(tg("show", "feed:1", "--all", "--json", env=env))
-    assert [r["key"] for r in shown] == ["feed:1", "feed:1#pending", "feed:1#debounce"]
+    assert [r["key"] for r in shown] == [
+        "feed:1", "feed:1#debounce:feeds.reindex", "feed:1#pending:feeds.import"
+    ]  # fmt: skip
 
 
 def test_show_prints_who_holds_a_key(guard: TaskGuard, env: dict[str, str]) -> None:
