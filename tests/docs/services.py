@@ -7,7 +7,7 @@ consuming Celery's default queue ``celery`` can meet:
      8  tests/journey/test_journey_djangofeeds.py
      9  tests/journey/test_journey_alembic.py
     10  tests/journey/test_journey_install.py
-    12  docs/guide.md (broker and results; it starts no worker)
+    12  docs/guide.md (broker and results; its coalesce example starts a worker)
     14  the docs' pages (broker), 15 (results)
 
 (0 is the shared suite's, with a queue per test; 11 the benchmarks'; 13 the demo's.)
