@@ -234,6 +234,10 @@ def _distance(a: str, b: str) -> int:
     return prev[-1]
 
 
+def _is_method(value: object) -> bool:
+    return callable(value) or isinstance(value, (classmethod, staticmethod, property))
+
+
 def check_celery_options(task_name: str, options: Mapping[str, Any], task_class: type) -> None:
     """Refuse a keyword argument of ``@guarded_task`` that is neither taskguard's
     nor Celery's but looks like a misspelling of one (``tll=60``), naming the nearest.
@@ -242,7 +246,9 @@ def check_celery_options(task_name: str, options: Mapping[str, Any], task_class:
     ours = set(OPTION_NAMES)
     attributes = {n for n in dir(task_class) if not n.startswith("_")}
     # What a misspelling may be of: options, not methods (``s``, ``map``, ``retry``).
-    settable = {n for n in attributes if not callable(getattr(task_class, n, None))}
+    # Read statically: Celery's class properties (``app``) bind the class to the
+    # current app when read, which would fix its settings (``acks_late``) for good.
+    settable = {n for n in attributes if not _is_method(inspect.getattr_static(task_class, n))}
     for name in options:
         if name in ours or name in CELERY_OPTIONS or name in attributes or len(name) < 3:
             continue

@@ -267,6 +267,22 @@ def test_celery_options_and_custom_attributes_pass_through() -> None:
     assert (fetch.owner_team, fetch.sla_seconds, fetch.category) == ("ingest", 30, "feeds")
 
 
+def test_app_wide_task_settings_reach_guarded_tasks() -> None:
+    """Declaring a task must not bind GuardedTask to another (the current) app: that
+    fixed acks_late=False on the base class, so task_acks_late and
+    task_reject_on_worker_lost were ignored and a killed run's message was lost."""
+    from taskguard.celery.task import GuardedTask
+
+    app = Celery("tg_settings", set_as_current=False)
+    app.conf.update(task_acks_late=True, task_reject_on_worker_lost=True)
+
+    @guarded_task(app=app, shared=False, name="settings.run", ttl=30)
+    def run(x: int) -> None: ...
+
+    assert run.acks_late is True and run.reject_on_worker_lost is True
+    assert "acks_late" not in GuardedTask.__dict__ and not GuardedTask.__bound__
+
+
 def test_a_key_callable_that_cannot_take_the_arguments_fails_at_declaration() -> None:
     app = Celery("tg_keyfn", set_as_current=False)
     with pytest.raises(ConfigurationError) as err:
