@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where the CPU of a guarded task goes: the end-to-end benchmark's trivial tasks
-(plain, ``@guarded_task``, celery-once, and the same lock by hand in the task
-body) through a real prefork worker (``-c 1``
+(plain, ``@guarded_task``, celery-once, the minimal correct lock by hand and
+taskguard's own SQL by hand in the task body) through a real prefork worker (``-c 1``
 unless told), with the CPU time of every process involved read from /proc before
 and after each batch.
 
@@ -11,7 +11,10 @@ and after each batch.
 Needs the local PostgreSQL, Redis and RabbitMQ, like ``scripts/bench.py``; makes a
 scratch database (dropped at the end) and a queue and Redis keys of its own.
 Prints CPU microseconds per task for the publisher (this process), the worker's
-main process, its pool child, all PostgreSQL processes, RabbitMQ and Redis: the
+main process, its pool child, the PostgreSQL backends connected to the scratch
+database (exact, /proc/<pid>/schedstat; the server's other processes and other
+clients are not counted), and RabbitMQ and Redis (whole servers, shared with
+anything else that uses them): the
 difference between the plain and the guarded (celery-once, by hand) task is what
 the lock costs and who pays it (docs/benchmarks.md).
 
@@ -43,7 +46,8 @@ from taskguard import Lease, LeaseRequest, Marker, TaskGuard, schema
 SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
 
-from benchlib.common import libpq_url  # noqa: E402  (scripts/ is on the path only now)
+from benchlib import cpu  # noqa: E402  (scripts/ is on the path only now)
+from benchlib.common import libpq_url  # noqa: E402
 
 PG_URL = os.environ.get(
     "TASKGUARD_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -64,8 +68,6 @@ def _kind(pid: int, worker_pid: int) -> str | None:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return None
-    if "postgres" in cmd:
-        return "postgres"
     if "beam" in cmd:
         return "rabbitmq"
     if "redis-server" in cmd:
@@ -79,13 +81,16 @@ def _kind(pid: int, worker_pid: int) -> str | None:
     return None
 
 
-def _snapshot(worker_pid: int) -> dict[tuple[int, str], int]:
-    out = {}
+def _snapshot(worker_pid: int, backends: list[int]) -> dict[tuple[int, str], float]:
+    """CPU ticks of every process of interest; the backends' exact, in ticks too."""
+    out: dict[tuple[int, str], float] = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
             kind = _kind(int(name), worker_pid)
             if kind is not None:
                 out[(int(name), kind)] = _ticks(int(name))
+    for pid in backends:
+        out[(pid, "pg backends")] = cpu.task_cpu_s(pid) * HZ
     return out
 
 
@@ -203,7 +208,9 @@ def main() -> int:
             timed = f"{prefix}statements:{task.name}"  # type: ignore[attr-defined]
             start = int(counter.get(done) or 0)
             timed0 = float(counter.get(timed) or 0)
-            before, cpu0, t0 = _snapshot(worker.pid), time.process_time(), time.perf_counter()
+            backends = cpu.backends(admin, database=db)
+            before, cpu0 = _snapshot(worker.pid, backends), time.process_time()
+            t0 = time.perf_counter()
             for i in range(n):
                 task.apply_async((first + i,))  # type: ignore[attr-defined]
             deadline = time.monotonic() + 120
@@ -211,7 +218,8 @@ def main() -> int:
                 if time.monotonic() > deadline or worker.poll() is not None:
                     raise RuntimeError("the worker did not finish the batch")
                 time.sleep(0.005)
-            t1, cpu1, after = time.perf_counter(), time.process_time(), _snapshot(worker.pid)
+            t1, cpu1 = time.perf_counter(), time.process_time()
+            after = _snapshot(worker.pid, backends)
             per: dict[str, float] = {"publisher": (cpu1 - cpu0) * 1e6 / n}
             per["statements in place"] = (float(counter.get(timed) or 0) - timed0) * 1e6 / n
             for (pid, kind), ticks in after.items():
@@ -220,15 +228,22 @@ def main() -> int:
             return n / (t1 - t0), per
 
         time.sleep(3)
+        print(f"load average {os.getloadavg()[0]:.2f} at the start")
         batch(e2e_app.plain, 200, 10**9)  # warm-up: connections, prepared statements
         batch(e2e_app.guarded, 200, 2 * 10**9)
         batch(e2e_app.once, 200, 3 * 10**9)
         batch(e2e_app.handsql, 200, 4 * 10**9)
-        kinds = ("publisher", "worker main", "worker child", "postgres", "rabbitmq", "redis")
+        batch(e2e_app.minimal, 200, 5 * 10**9)
+        kinds = ("publisher", "worker main", "worker child", "pg backends", "rabbitmq", "redis")
         header = " ".join(f"{k:>12s}" for k in kinds)
         print(f"{'task':24s} {'tasks/s':>8s} {header}   (CPU us/task)")
         in_place: list[float] = []  # the guarded runs' statements, timed in the pool process
-        compared = {"guarded": e2e_app.guarded, "once": e2e_app.once, "by hand": e2e_app.handsql}
+        compared = {
+            "guarded": e2e_app.guarded,
+            "once": e2e_app.once,
+            "minimal by hand": e2e_app.minimal,
+            "taskguard SQL by hand": e2e_app.handsql,
+        }
         over_plain = {label: {k: [] for k in kinds} for label in compared}
         for rnd in range(args.rounds):
             seen: dict[str, dict[str, float]] = {}
@@ -246,13 +261,13 @@ def main() -> int:
             in_place.append(seen[e2e_app.guarded.name]["statements in place"])
         med = statistics.median
         print("\nadded CPU per task over the plain task (median of the rounds, us):")
-        print(f"{'':24s} {'':8s} " + " ".join(f"{k:>12s}" for k in kinds) + f" {'total':>12s}")
+        print(f"{'':24s} {'':8s} " + " ".join(f"{k:>12s}" for k in kinds) + f" {'client':>12s}")
         for label, table in over_plain.items():
             cells = [med(table[k]) for k in kinds]
             print(
                 f"{label:24s} {'':8s} "
                 + " ".join(f"{c:12.0f}" for c in cells)
-                + f" {sum(cells):12.0f}"
+                + f" {sum(cells[:3]):12.0f}"
             )
         grants_in_main = not args.no_prefetch_grants
         records = not args.no_finished_records
@@ -278,6 +293,7 @@ def main() -> int:
             f"  by hand in this process (warm): {sent:.0f} us/task; beyond them: "
             f"{beyond:.0f} us/task ({'met' if beyond <= 100 else 'MISSED'})"
         )
+        print(f"load average {os.getloadavg()[0]:.2f} at the end")
         for key in counter.scan_iter(f"{prefix}*"):
             counter.delete(key)
     finally:

@@ -6,10 +6,11 @@ celery-once's), and celery-once's ``QueueOnce``. Every finished task
 bumps one Redis counter per task name (same cost for all), which is how the
 benchmark knows when a batch is done without a result backend.
 
-One more task takes the same lock by hand in its body: taskguard's own acquire and
-release SQL, prepared, on a psycopg connection of its pool process (the pairs
-section's raw SQL, run per task), for what a lock costs end to end without the
-library.
+Two more take a lock by hand in their body, prepared, on a psycopg connection of
+their pool process: ``minimal``, the minimal correct lock (the pairs section's
+anchor, :class:`benchlib.pairs.MinimalLock`), and ``handsql``, taskguard's own
+acquire and release SQL (the pairs section's raw SQL): what a lock costs end to end
+without the library.
 
 ``TGBENCH_STUB`` (diagnosis only, e.g. ``TGBENCH_STUB=release python
 scripts/bench.py --sections e2e``) makes TaskGuard calls in the worker answer
@@ -73,6 +74,7 @@ PLAIN = f"{PREFIX}plain"
 GUARDED = f"{PREFIX}guarded"
 ONCE = f"{PREFIX}once"
 HANDSQL = f"{PREFIX}handsql"
+MINIMAL = f"{PREFIX}minimal"
 QUEUE_AND_RUN = f"{PREFIX}queue_and_run"
 
 
@@ -86,17 +88,29 @@ def once(i: int) -> None:
     return None
 
 
-_raw: list[Any] = []  # this pool process's hand-written SQL contestant
+_by_hand: dict[str, Any] = {}  # this pool process's hand-written locks
+
+
+def _lock_by_hand(kind: str) -> Any:
+    if kind not in _by_hand:  # connected in the pool process, after the fork
+        from benchlib.common import Row
+        from benchlib.pairs import MinimalLock, RawSql
+
+        row = Row(f"e2e.{kind}", "", "")
+        _by_hand[kind] = (
+            MinimalLock(row, DB_URL) if kind == "minimal" else RawSql(row, DB_URL, durable=True)
+        )
+    return _by_hand[kind]
 
 
 @app.task(name=HANDSQL)
 def handsql(i: int) -> None:
-    if not _raw:  # connected in the pool process, after the fork
-        from benchlib.common import Row
-        from benchlib.pairs import RawSql
+    _lock_by_hand("handsql").pair(f"{PREFIX}h:{i}")
 
-        _raw.append(RawSql(Row("e2e.handsql", "", ""), DB_URL, durable=True))
-    _raw[0].pair(f"{PREFIX}h:{i}")
+
+@app.task(name=MINIMAL)
+def minimal(i: int) -> None:
+    _lock_by_hand("minimal").pair(f"{PREFIX}m:{i}")
 
 
 #: Why the guarded task could not be defined (None when it was).
