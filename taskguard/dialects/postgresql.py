@@ -194,6 +194,7 @@ class PostgreSQL(Dialect):
     acquire_many_sql = batch_sql.ACQUIRE_MANY
     acquire_many_row = batch_sql.ACQUIRE_MANY_ROW
     pipelines = True
+    lean_acquire = True
 
     def flavor(self) -> Flavor:
         grace = f"{_NOW} - interval '{RESERVE_GRACE} seconds'"

@@ -44,6 +44,9 @@ log = logging.getLogger("taskguard")
 #: ``renewed``; ``lost`` (the statement found the lease gone); ``gone`` (a read-back
 #: after a broken connection found it no longer ours).
 RenewOutcome = Literal["renewed", "lost", "gone"]
+#: Keys remembered as contended (a lean acquire of theirs was refused), whose
+#: attempts send the full acquire at once; all are forgotten beyond this many.
+CONTENDED_KEYS = 1024
 
 
 class Store:
@@ -78,6 +81,8 @@ class Store:
         self.waiters = Waiters(self._db, self._sql, listen_url)
         #: Many grants in one statement.
         self.batches = Batches(self._db, self._sql, call_timeout, self._marker_values)
+        #: Keys a lean acquire was refused on (see :meth:`_grant`).
+        self._contended: set[str] = set()
 
     def run(self, stmt: Statement, values: Mapping[str, Any]) -> tuple[list[tuple[Any, ...]], int]:
         """Execute one statement in its own transaction: (rows, affected count)."""
@@ -139,15 +144,27 @@ class Store:
         self, values: dict[str, Any], limit: int, seconds: float, hold: float
     ) -> tuple[Lease | None, LockInfo | None]:
         key = values["key"]
-        stmt = self._sql.acquire if limit == 1 else self._sql.acquire_slots
+        sql = self._sql
+        stmt, lean = (sql.acquire, sql.acquire_lean) if limit == 1 else (sql.acquire_slots, None)
         unless = values.get("unless")
         if unless is not None:
-            if limit == 1 and self._sql.acquire_unless is not None:
-                stmt = self._sql.acquire_unless
+            if limit == 1 and sql.acquire_unless is not None:
+                stmt, lean = sql.acquire_unless, sql.acquire_unless_lean
             elif (marker := self.live_holder(unless)) is not None:
                 return None, (self.live_holder(key) or marker) if limit == 1 else None
+        if key in self._contended:
+            lean = None
         try:
-            rows, _ = self.run(stmt, values)
+            # The lean acquire grants in the common case (no waiter, no refusal); when
+            # it grants nothing the full one decides (and reads the holder), and the
+            # key's next attempts go to the full one at once.
+            rows = self.run(lean, values)[0] if lean is not None else []
+            if not rows:
+                if lean is not None:
+                    if len(self._contended) >= CONTENDED_KEYS:
+                        self._contended.clear()  # forgotten: the lean one goes first again
+                    self._contended.add(key)
+                rows, _ = self.run(stmt, values)
         except (OutcomeUnknown, DatabaseUnavailable) as exc:
             if isinstance(exc, OutcomeUnknown) or not exc.statement_sent:
                 raise  # nothing reached the server: certainly not granted
@@ -163,10 +180,8 @@ class Store:
                 raise OutcomeUnknown(
                     f"connection to {self.url} broke again while retrying the acquire of "
                     f"{key!r}; owner {values['owner']} may hold it until its ttl ends",
-                    key,
-                    values["owner"],
-                    self.url,
-                ) from again
+                    key, values["owner"], self.url,
+                ) from again  # fmt: skip
         seen = self.dialect.holders(rows) if limit == 1 else []
         rows = self.dialect.granted(rows, values["owner"], limit > 1)
         if limit > 1:
@@ -202,10 +217,8 @@ class Store:
             raise OutcomeUnknown(
                 f"connection to {self.url} broke while acquiring {key!r} and the outcome "
                 f"could not be read back; owner {owner} may hold it until its ttl ends",
-                key,
-                owner,
-                self.url,
-            ) from cause
+                key, owner, self.url,
+            ) from cause  # fmt: skip
         if info is not None and info.held:
             # Seen is not durable: the grant may be committed on this server only (its
             # wait for a synchronous standby cut short). A no-op write by the owner
@@ -218,10 +231,8 @@ class Store:
                 raise OutcomeUnknown(
                     f"connection to {self.url} broke while confirming the acquire of {key!r}; "
                     f"owner {owner} may hold it until its ttl ends",
-                    key,
-                    owner,
-                    self.url,
-                ) from cause
+                    key, owner, self.url,
+                ) from cause  # fmt: skip
             if rows:
                 token, acquired_at, expires_at = rows[0]
                 log.warning("acquire of %r committed before the connection broke; keeping it", key)
@@ -356,10 +367,8 @@ class Store:
             latest = f" (lease expires by {by.isoformat()} at the latest)" if by else ""
             raise OutcomeUnknown(
                 f"connection to {self.url} broke while {doing} {key!r}; outcome unknown{latest}",
-                key,
-                owner,
-                self.url,
-            ) from cause
+                key, owner, self.url,
+            ) from cause  # fmt: skip
 
     # -- reading rows ----------------------------------------------------------------
 
