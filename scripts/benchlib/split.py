@@ -16,6 +16,12 @@ CPU per task minus the plain task's.
 A second worker with ``taskguard_prefetch_grants=False`` serves the same guarded
 task on a queue of its own, so the grants the main process takes for prefetched
 messages are measured against the pool processes taking their own, side by side.
+
+Every figure is the median over the rounds (a variant's CPU added per task: the
+median of its difference from the plain task in the same round), which load from
+other processes on the machine moves far less than a total. For experiments:
+``TGBENCH_SPLIT_ROUNDS`` and ``TGBENCH_SPLIT_TASKS`` (tasks per batch) change the
+run's size, ``TGBENCH_SPLIT_VARIANTS=plain,guarded,...`` measures only those.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -215,26 +222,24 @@ def _stop_worker(worker: _Worker) -> None:
         worker.log.unlink()
 
 
+#: Per-round figures of one variant, each per task (CPU in seconds).
+_FIGURES = ("rate", "publisher", "main", "pool", "postgres", "redis", "waited")
+
+
 @dataclass
 class _Tally:
-    """One variant's totals over its rounds."""
+    """One variant's figures, one entry per round."""
 
     tasks: int = 0
-    seconds: float = 0.0
-    publisher: float = 0.0
-    main: float = 0.0
-    pool: float = 0.0
-    postgres: float = 0.0
-    redis: float = 0.0
-    waited: float = 0.0  # run-queue wait of the client processes (load on the client core)
-    per_round: list[float] = field(default_factory=list)
+    rounds: dict[str, list[float]] = field(default_factory=lambda: {f: [] for f in _FIGURES})
 
-    def us(self, seconds: float) -> float:
-        return seconds / self.tasks * 1e6 if self.tasks else 0.0
-
-    @property
-    def client(self) -> float:
-        return self.publisher + self.main + self.pool
+    def add(self, n: int, seconds: float, **cpu_s: float) -> None:
+        self.tasks += n
+        self.rounds["rate"].append(n / seconds)
+        for name, value in cpu_s.items():
+            self.rounds[name].append(value / n)
+        client = (cpu_s["publisher"] + cpu_s["main"] + cpu_s["pool"]) / n
+        self.rounds.setdefault("client", []).append(client)
 
 
 def run(env: Env) -> list[Row]:
@@ -243,7 +248,14 @@ def run(env: Env) -> list[Row]:
     if len(cores) < 2 or shutil.which("taskset") is None:
         return not_run(out, "needs 2 cores and taskset")
     server_core, client_core = cores[0], cores[1]
-    rounds, per_round = env.pick((1, 60), (4, 1000))
+    rounds, per_round = env.pick((1, 60), (8, 500))
+    rounds = int(os.environ.get("TGBENCH_SPLIT_ROUNDS", rounds))
+    per_round = int(os.environ.get("TGBENCH_SPLIT_TASKS", per_round))
+    chosen = os.environ.get("TGBENCH_SPLIT_VARIANTS", "")
+    variants = [v for v in VARIANTS if not chosen or v == "plain" or v in chosen.split(",")]
+    for row in out:
+        if row.id.removeprefix("split.") not in variants:
+            row.status = "not run: not in TGBENCH_SPLIT_VARIANTS"
     with contextlib.ExitStack() as stack:
         pg = stack.enter_context(ThrowawayCluster(PG_SETTINGS))
         postmaster = int((pg.data / "postmaster.pid").read_text().split()[0])
@@ -278,8 +290,8 @@ def run(env: Env) -> list[Row]:
         stack.callback(counter.close)
         try:
             with _pinned_self(client_core):
-                tallies = _measure(mod, workers, counter, prefix, rounds, per_round, postmaster,
-                                   broker, concurrency)  # fmt: skip
+                tallies = _measure(mod, workers, counter, prefix, variants, rounds, per_round,
+                                   postmaster, broker, concurrency)  # fmt: skip
         except Exception:
             for w in workers.values():
                 with contextlib.suppress(OSError):
@@ -291,11 +303,12 @@ def run(env: Env) -> list[Row]:
 
 def _measure(
     mod: ModuleType, workers: dict[str, _Worker], counter: redis.Redis, prefix: str,
-    rounds: int, per_round: int, postmaster: int, broker: PrivateRedis, concurrency: int,
+    names: list[str], rounds: int, per_round: int, postmaster: int, broker: PrivateRedis,
+    concurrency: int,
 ) -> dict[str, _Tally]:  # fmt: skip
     assert broker.proc is not None
     done: dict[str, int] = {}
-    tallies = {name: _Tally() for name in VARIANTS}
+    tallies = {name: _Tally() for name in names}
 
     def batch(variant: str, n: int, first: int, tally: _Tally | None, timeout: float) -> None:
         attr, worker_name = VARIANTS[variant]
@@ -321,17 +334,17 @@ def _measure(
         main1, pool1 = worker.cpu()
         if tally is None:
             return
-        tally.tasks += n
-        tally.seconds += t1 - t0
-        tally.per_round.append(n / (t1 - t0))
-        tally.publisher += pub1 - pub0
-        tally.main += main1 - main0
-        tally.pool += cpu.spent(pool0, pool1)
-        tally.postgres += cpu.spent(pg0, cpu.tree_cpu_s(postmaster, exact=True))
-        tally.redis += cpu.process_cpu_s(broker.proc.pid) - redis0  # type: ignore[union-attr]
-        tally.waited += _run_queue(worker) - wait0
+        tally.add(
+            n,
+            t1 - t0,
+            publisher=pub1 - pub0,
+            main=main1 - main0,
+            pool=cpu.spent(pool0, pool1),
+            postgres=cpu.spent(pg0, cpu.tree_cpu_s(postmaster, exact=True)),
+            redis=cpu.process_cpu_s(broker.proc.pid) - redis0,  # type: ignore[union-attr]
+            waited=_run_queue(worker) - wait0,
+        )
 
-    names = list(VARIANTS)
     for n, variant in enumerate(names):  # workers up, connections made, statements prepared
         batch(variant, 10 * concurrency, 9_000_000 + n * 100_000, None, timeout=120)
     for rnd in range(rounds):
@@ -347,41 +360,48 @@ def _run_queue(worker: _Worker) -> float:
 
 
 def _report(out: list[Row], tallies: dict[str, _Tally], concurrency: int) -> None:
-    plain = tallies["plain"]
+    plain = tallies["plain"].rounds
     for row in out:
-        t = tallies[row.id.removeprefix("split.")]
-        if not t.tasks:
+        t = tallies.get(row.id.removeprefix("split."))
+        if t is None or not t.tasks:
             continue
-        row.rate = t.tasks / t.seconds
-        client = t.us(t.client) - plain.us(plain.client)
+        mine = t.rounds
+
+        def med(name: str, mine: dict[str, list[float]] = mine) -> float:
+            return statistics.median(mine[name]) * 1e6
+
+        def added(name: str, mine: dict[str, list[float]] = mine) -> float:
+            """Median over the rounds of this variant's figure minus the plain task's."""
+            pairs = zip(mine[name], plain[name], strict=True)
+            return statistics.median(a - b for a, b in pairs) * 1e6
+
+        row.rate = statistics.median(mine["rate"])
         extra: dict[str, Any] = {
             "tasks": t.tasks,
+            "rounds": len(mine["rate"]),
             "concurrency": concurrency,
-            "rates_per_round": [round(x, 1) for x in t.per_round],
-            "publisher_us": t.us(t.publisher),
-            "worker_main_us": t.us(t.main),
-            "pool_us": t.us(t.pool),
-            "client_us": t.us(t.client),
-            "postgres_us": t.us(t.postgres),
-            "redis_us": t.us(t.redis),
-            "client_run_queue_us": t.us(t.waited),
-            "client_added_us": client,
-            "postgres_added_us": t.us(t.postgres) - plain.us(plain.postgres),
-            "redis_added_us": t.us(t.redis) - plain.us(plain.redis),
+            "rates_per_round": [round(x, 1) for x in mine["rate"]],
+            "client_us_per_round": [round(x * 1e6) for x in mine["client"]],
+            "postgres_us_per_round": [round(x * 1e6) for x in mine["postgres"]],
         }
+        for name in ("publisher", "main", "pool", "client", "postgres", "redis", "waited"):
+            extra[f"{name}_us"] = med(name)
+            extra[f"{name}_added_us"] = added(name)
         row.extra = extra
         if row.id == "split.plain":
             row.note = (
-                f"client CPU {t.us(t.client):,.0f} us/task (publisher {t.us(t.publisher):,.0f}, "
-                f"worker main {t.us(t.main):,.0f}, pool {t.us(t.pool):,.0f}); "
-                f"Redis {t.us(t.redis):,.0f}; prefork -c {concurrency}"
+                f"client CPU {med('client'):,.0f} us/task (publisher {med('publisher'):,.0f}, "
+                f"worker main {med('main'):,.0f}, pool {med('pool'):,.0f}); "
+                f"Redis {med('redis'):,.0f}; prefork -c {concurrency}"
             )
         else:
             row.note = (
-                f"added per task: client CPU {client:,.0f} us (publisher "
-                f"{t.us(t.publisher) - plain.us(plain.publisher):,.0f}, worker main "
-                f"{t.us(t.main) - plain.us(plain.main):,.0f}, pool "
-                f"{t.us(t.pool) - plain.us(plain.pool):,.0f}), PostgreSQL "
-                f"{extra['postgres_added_us']:,.0f} us, Redis {extra['redis_added_us']:,.0f} us"
+                f"added per task: client CPU {added('client'):,.0f} us (publisher "
+                f"{added('publisher'):,.0f}, worker main {added('main'):,.0f}, pool "
+                f"{added('pool'):,.0f}), PostgreSQL {added('postgres'):,.0f} us, Redis "
+                f"{added('redis'):,.0f} us"
             )
-        row.note += f"; client processes waited {t.us(t.waited):,.0f} us/task for a CPU"
+        row.note += (
+            f"; medians of {len(mine['rate'])} rounds; client processes waited "
+            f"{med('waited'):,.0f} us/task for a CPU"
+        )
