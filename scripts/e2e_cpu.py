@@ -6,7 +6,7 @@ unless told), with the CPU time of every process involved read from /proc before
 and after each batch.
 
     python scripts/e2e_cpu.py [--tasks 2000] [--rounds 2] [-c 2] [--relaxed]
-                              [--no-prefetch-grants] [--no-finished-records]
+                              [--no-finished-records]
 
 Needs the local PostgreSQL, Redis and RabbitMQ, like ``scripts/bench.py``; makes a
 scratch database (dropped at the end) and a queue and Redis keys of its own.
@@ -41,7 +41,7 @@ from pathlib import Path
 import psycopg
 import redis
 
-from taskguard import Lease, LeaseRequest, Marker, TaskGuard, schema
+from taskguard import Marker, TaskGuard, schema
 
 SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
@@ -94,58 +94,27 @@ def _snapshot(worker_pid: int, backends: list[int]) -> dict[tuple[int, str], flo
     return out
 
 
-def _statements_cpu(
-    url: str, n: int, durable: bool, grants_in_main: bool, records: bool = True
-) -> float:
-    """Client CPU (us) of the statements a guarded run's pool process sends, issued
-    through the same TaskGuard API in a loop: the part of the process's cost that
-    is the lock's own round trips, to tell it from @guarded_task's Python around
-    them. With the main process granting (taskguard_prefetch_grants, the default)
-    that is the release with its finished record; without, the acquire too.
-    Without ``records`` (taskguard_finished_retention=0) neither refuses a finished
-    task id nor writes one."""
+def _statements_cpu(url: str, n: int, durable: bool, records: bool = True) -> float:
+    """Client CPU (us) of the statements a guarded run's pool process sends (the
+    acquire and the release, with ``unless=`` and ``marker=`` unless ``records`` is
+    off: taskguard_finished_retention=0), issued through the same TaskGuard API in a
+    loop: the part of the process's cost that is the lock's own round trips, to tell
+    it from @guarded_task's Python around them."""
     guard = TaskGuard(url, durable=durable)
     try:
 
-        def finished_key() -> str | None:
-            return f"taskguard:finished:cpu-{uuid.uuid4().hex}" if records else None
-
-        def release(lease: Lease, done: str | None) -> None:
+        def pair(i: int) -> None:
+            done = f"taskguard:finished:cpu-{uuid.uuid4().hex}" if records else None
+            lease = guard.try_acquire(f"cpu:{i}", 60, unless=done).lease
+            assert lease is not None
             guard.release(lease, marker=None if done is None else Marker(done, 7200))
 
-        def leases(first: int) -> list[tuple[Lease, str | None]]:
-            out = []
-            for i in range(first, first + 50, 10):
-                done = [finished_key() for _ in range(10)]
-                asked = [LeaseRequest(f"cpu:{i + j}", 60, unless=d) for j, d in enumerate(done)]
-                got = guard.acquire_many(asked)
-                out += [(lease, d) for lease, d in zip(got, done, strict=True) if lease]
-            return out
-
-        def pair(i: int) -> None:
-            done = finished_key()
-            lease = guard.try_acquire(f"cpu:{i % 50}", 60, unless=done).lease
-            assert lease is not None
-            release(lease, done)
-
-        if not grants_in_main:
-            for i in range(200):
-                pair(i)
-            cpu0 = time.process_time()
-            for i in range(n):
-                pair(i)
-            return (time.process_time() - cpu0) * 1e6 / n
-        spent = 0.0
-        done_count = 0
-        while done_count < n + 200:
-            batch = leases(0)  # granted untimed, as the main process does
-            cpu0 = time.process_time()
-            for lease, done in batch:
-                release(lease, done)
-            if done_count >= 200:  # the first 200: warm-up
-                spent += time.process_time() - cpu0
-            done_count += len(batch)
-        return spent * 1e6 / (done_count - 200)
+        for i in range(200):
+            pair(i)
+        cpu0 = time.process_time()
+        for i in range(n):
+            pair(i)
+        return (time.process_time() - cpu0) * 1e6 / n
     finally:
         guard.dispose()
 
@@ -156,11 +125,6 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2, help="batches per variant, alternating")
     p.add_argument("--relaxed", action="store_true", help="taskguard_durable=False")
     p.add_argument("--concurrency", "-c", type=int, default=1, help="pool processes")
-    p.add_argument(
-        "--no-prefetch-grants",
-        action="store_true",
-        help="taskguard_prefetch_grants=False: pool processes take their own leases",
-    )
     p.add_argument(
         "--no-finished-records",
         action="store_true",
@@ -181,7 +145,6 @@ def main() -> int:
         "TGBENCH_QUEUE": f"tgcpu-{run_id}",
         "TGBENCH_PREFIX": prefix,
         "TGBENCH_DURABLE": "0" if args.relaxed else "1",
-        "TASKGUARD_PREFETCH": "0" if args.no_prefetch_grants else "1",
         "TGBENCH_FINISHED_RETENTION": "0" if args.no_finished_records else "7200",
         "TGBENCH_STATEMENT_CPU": "1",
         "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]),
@@ -269,19 +232,14 @@ def main() -> int:
                 + " ".join(f"{c:12.0f}" for c in cells)
                 + f" {sum(cells[:3]):12.0f}"
             )
-        grants_in_main = not args.no_prefetch_grants
         records = not args.no_finished_records
-        sent = _statements_cpu(url, args.tasks, not args.relaxed, grants_in_main, records)
+        sent = _statements_cpu(url, args.tasks, not args.relaxed, records)
         pool_added = over_plain["guarded"]["worker child"]
         child = med(pool_added)
         beyond = child - sent
         spent = med(in_place)
         beyond_in_place = child - spent
-        if grants_in_main:
-            what = "its release" + (" with the finished record" if records else "")
-            what += " (the main process granted)"
-        else:
-            what = "acquire and release" + (" with unless= and marker=" if records else "")
+        what = "acquire and release" + (" with unless= and marker=" if records else "")
         print(
             f"\npool process, guarded - plain: "
             f"{', '.join(f'{a:.0f}' for a in pool_added)} us/task (median "

@@ -58,10 +58,6 @@ DEFAULTS: dict[str, Any] = {
     #: this window is dropped (taskguard.celery.completions). Keep it above the broker's
     #: redelivery window (Redis/SQS visibility_timeout) plus the longest task. 0: off.
     "taskguard_finished_retention": 7200.0,
-    #: A prefork worker's main process takes the run leases of the lock="run" messages
-    #: it prefetched, many per statement (taskguard.celery.prefetched). False: each
-    #: pool process acquires when it starts the run.
-    "taskguard_prefetch_grants": True,
     # -- production PostgreSQL: poolers, standbys, time limits (docs/operations.md) --
     #: Seconds one lease operation may take (client-side; the connection is shut down,
     #: never the statement cancelled); then OutcomeUnknown / DatabaseUnavailable.

@@ -14,7 +14,6 @@ from typing import Any
 
 from sqlalchemy import URL, Engine
 
-from taskguard.batch import BatchOperations
 from taskguard.deadline import DEFAULT_CALL_TIMEOUT
 from taskguard.exceptions import InvalidKey, LockHeld
 from taskguard.fencing import fence
@@ -44,7 +43,7 @@ DEFAULT_HISTORY_RETENTION = 7 * 24 * 3600.0
 _DEFAULT_LIMIT = 10_000
 
 
-class TaskGuard(BatchOperations):
+class TaskGuard:
     """Per-key leases stored in ``task_locks``.
 
     ``url_or_engine`` is a SQLAlchemy URL (taskguard creates and owns a small

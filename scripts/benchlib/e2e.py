@@ -196,7 +196,6 @@ def _measure(env: Env, mod: Any, by_id: dict[str, Row]) -> None:
         unsent = {
             "release": "releases",
             "adopt": "adoptions of handed-over leases",
-            "all": "releases and batch grants",
         }[mod.STUB]
         stubbed = ["e2e.queue_and_run"]
         if mod.STUB != "adopt":

@@ -14,14 +14,10 @@ without the library.
 
 ``TGBENCH_STUB`` (diagnosis only, e.g. ``TGBENCH_STUB=release python
 scripts/bench.py --sections e2e``) makes TaskGuard calls in the worker answer
-without the database: ``release`` (every release reports success), ``adopt``
+without the database: ``release`` (every release reports success) or ``adopt``
 (every adoption of a lease handed over in the message, ``lock="queue_and_run"``,
-succeeds; releases are sent), or ``all`` (releases and the main process's batch
-grants, each granted): what the guarded run would cost if those statements cost
-nothing. No lock holds while it is set.
-
-``TGBENCH_PREFETCH_MULTIPLIER`` sets the worker's ``worker_prefetch_multiplier``
-(Celery's default, 4, unless set): how many messages the main process can grant at once.
+succeeds; releases are sent): what the guarded run would cost if those statements
+cost nothing. No lock holds while it is set.
 
 With ``TGBENCH_STATEMENT_CPU=1`` (``scripts/e2e_cpu.py``) each pool process also
 times the TaskGuard calls its runs make (the thread's CPU inside ``try_acquire``,
@@ -48,21 +44,19 @@ REDIS_URL = os.environ.get("TGBENCH_REDIS_URL", "redis://127.0.0.1:6379/11")
 PREFIX = os.environ.get("TGBENCH_PREFIX", "tgbench:")
 TTL = 60
 STATEMENT_CPU = os.environ.get("TGBENCH_STATEMENT_CPU") == "1"
-#: "", "release", "adopt" or "all": see the module docstring.
+#: "", "release" or "adopt": see the module docstring.
 STUB = os.environ.get("TGBENCH_STUB", "")
-if STUB not in ("", "release", "adopt", "all"):
-    raise SystemExit(f"TGBENCH_STUB={STUB!r}: use 'release', 'adopt' or 'all' (or leave it unset)")
+if STUB not in ("", "release", "adopt"):
+    raise SystemExit(f"TGBENCH_STUB={STUB!r}: use 'release' or 'adopt' (or leave it unset)")
 
 app = Celery("tgbench_e2e", broker=BROKER)
 app.conf.update(
     task_default_queue=QUEUE,
     task_ignore_result=True,
-    worker_prefetch_multiplier=int(os.environ.get("TGBENCH_PREFETCH_MULTIPLIER", "4")),
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=False,
     taskguard_database_url=DB_URL,
     taskguard_durable=os.environ.get("TGBENCH_DURABLE", "1") == "1",
-    taskguard_prefetch_grants=os.environ.get("TASKGUARD_PREFETCH", "1") == "1",
     taskguard_finished_retention=float(os.environ.get("TGBENCH_FINISHED_RETENTION", "7200")),
     ONCE={
         "backend": "celery_once.backends.Redis",
@@ -163,17 +157,10 @@ def _stub_statements(**_: Any) -> None:
     from datetime import datetime, timedelta, timezone
 
     from taskguard import TaskGuard
-    from taskguard.lease import Lease, LeaseRequest
+    from taskguard.lease import Lease
 
     def release(self: TaskGuard, lease: Lease, *, marker: Any = None) -> bool:
         return True
-
-    def acquire_many(self: TaskGuard, requests: list[LeaseRequest]) -> list[Lease | None]:
-        now = datetime.now(timezone.utc)
-        return [
-            Lease(r.key, os.urandom(16).hex(), 1, now, now + timedelta(seconds=TTL), float(TTL))
-            for r in requests
-        ]
 
     def adopt(self: TaskGuard, key: str, owner: str, ttl: float, **_: Any) -> Lease:
         now = datetime.now(timezone.utc)
@@ -183,8 +170,6 @@ def _stub_statements(**_: Any) -> None:
         TaskGuard.adopt = adopt  # type: ignore[assignment]
         return
     TaskGuard.release = release  # type: ignore[method-assign]
-    if STUB == "all":
-        TaskGuard.acquire_many = acquire_many  # type: ignore[method-assign]
 
 
 @task_postrun.connect

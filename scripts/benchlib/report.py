@@ -189,19 +189,13 @@ def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
     )
     for name, field in (("client CPU", "client_added_us"), ("PostgreSQL CPU", "postgres_added_us")):
         add(
-            f"prefetch grants: guarded {name} per task, on / off",
-            split("guarded", "guarded_no_prefetch", field),
+            f"2. without finished records: guarded {name} / the minimal lock's",
+            split("guarded_no_records", "minimal", field),
             None,
             "<=",
-            "taskguard_prefetch_grants=True / False, two workers side by side (section 7)",
+            "the same with taskguard_finished_retention=0 (a second worker, section 7): "
+            "what the records cost",
         )
-    add(
-        "prefetch grants: guarded tasks/s, on / off",
-        rates("split.guarded", "split.guarded_no_prefetch"),
-        None,
-        ">=",
-        "taskguard_prefetch_grants=True / False, two workers side by side (section 7)",
-    )
     return out
 
 

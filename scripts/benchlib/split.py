@@ -13,9 +13,9 @@ process and pool processes (/proc stat), the database's (every process of the
 private cluster, /proc schedstat) and Redis's. What a lock adds is each variant's
 CPU per task minus the plain task's.
 
-A second worker with ``taskguard_prefetch_grants=False`` serves the same guarded
-task on a queue of its own, so the grants the main process takes for prefetched
-messages are measured against the pool processes taking their own, side by side.
+A second worker with ``taskguard_finished_retention=0`` serves the same guarded
+task on a queue of its own: what the finished records (a late copy of a finished
+task id is dropped) cost, side by side.
 
 Every figure is the median over the rounds (a variant's CPU added per task: the
 median of its difference from the plain task in the same round), which load from
@@ -61,7 +61,7 @@ PG_SETTINGS = {"shared_buffers": "128MB", "autovacuum": "off", "max_connections"
 VARIANTS = {
     "plain": ("plain", "default"),
     "guarded": ("guarded", "default"),
-    "guarded_no_prefetch": ("guarded", "no_prefetch"),
+    "guarded_no_records": ("guarded", "no_records"),
     "once": ("once", "default"),
     "minimal": ("minimal", "default"),
     "queue_and_run": ("queue_and_run", "default"),
@@ -79,7 +79,7 @@ def rows() -> list[Row]:
     return [
         r("plain", "trivial task, unguarded (servers on core 0, clients on core 1)"),
         r("guarded", 'trivial task, @guarded_task(lock="run")'),
-        r("guarded_no_prefetch", "same, taskguard_prefetch_grants=False (second worker)"),
+        r("guarded_no_records", "same, taskguard_finished_retention=0 (second worker)"),
         r("once", "trivial task, celery-once QueueOnce"),
         r("minimal", "trivial task, the minimal correct lock by hand in its body"),
         r("queue_and_run", 'trivial task, @guarded_task(lock="queue_and_run")'),
@@ -270,7 +270,6 @@ def run(env: Env) -> list[Row]:
             "TGBENCH_DB_URL": url,
             "TGBENCH_PREFIX": prefix,
             "TGBENCH_DURABLE": "1",
-            "TASKGUARD_PREFETCH": "1",
             "TGBENCH_QUEUE": f"tgsplit.{env.run_id}.default",
         }
         concurrency = int(os.environ.get("TGBENCH_CONCURRENCY", 0)) or 2
@@ -278,9 +277,9 @@ def run(env: Env) -> list[Row]:
             "default": _start_worker(
                 "default", values["TGBENCH_QUEUE"], client_core, concurrency, values, env.run_id
             ),
-            "no_prefetch": _start_worker(
-                "no_prefetch", f"tgsplit.{env.run_id}.no_prefetch", client_core, concurrency,
-                {**values, "TASKGUARD_PREFETCH": "0"}, env.run_id,
+            "no_records": _start_worker(
+                "no_records", f"tgsplit.{env.run_id}.no_records", client_core, concurrency,
+                {**values, "TGBENCH_FINISHED_RETENTION": "0"}, env.run_id,
             ),
         }  # fmt: skip
         for w in workers.values():

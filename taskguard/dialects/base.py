@@ -169,10 +169,6 @@ class LockSQL:
     #: ``release`` that also takes the marker key ``:mark_key`` for ``:mark_ttl``
     #: seconds, in one transaction and one round trip; None: two statements.
     release_marking: Statement | None = None
-    #: Many grants, one statement, for ``n`` rows (``key_0``, ``owner_0``, … as
-    #: parameters): rows (key, owner, token, acquired_at, expires_at) of the granted
-    #: ones; None: one ``acquire_unless`` per grant.
-    acquire_many: Callable[[int], Statement] | None = None
 
 
 class ErrorKind(enum.Enum):
@@ -243,19 +239,11 @@ class Dialect:
     #: A release and a marker grant in one statement (a data-modifying CTE), as text
     #: with the fields of acquire_slots_sql; "" where the dialect has no such thing.
     release_marking_sql: ClassVar[str] = ""
-    #: Many single-slot grants in one statement (fields as above, plus ``{rows}``:
-    #: ``acquire_many_row`` once per row, ``{i}`` its number); "" where the dialect
-    #: has none (:meth:`TaskGuard.acquire_many` then loops).
-    acquire_many_sql: ClassVar[str] = ""
-    acquire_many_row: ClassVar[str] = ""
     #: Whether the store sends a lean acquire first (:attr:`LockSQL.acquire_lean`),
     #: the full one only when that grants nothing: where the full one costs a grant
     #: more than the lean one's extra round trip costs a refusal (PostgreSQL: the full
     #: one also reads the refusal's holder).
     lean_acquire: ClassVar[bool] = False
-    #: Whether the driver sends many executions of one statement in one round trip
-    #: and one transaction (psycopg's pipelined executemany): many releases.
-    pipelines: ClassVar[bool] = False
 
     def own_statements(self, fl: Flavor) -> dict[str, Any]:
         """Statements this dialect writes itself, by :class:`LockSQL` field name,

@@ -5,8 +5,6 @@ SQLAlchemy dialect (no per-call compilation on the hot path)."""
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import (
@@ -270,24 +268,7 @@ def build_lock_sql(d: Dialect, sa_dialect: SADialect) -> LockSQL:
         release_marking=c(text(_with_fields(d, fl, d.release_marking_sql)))
         if d.release_marking_sql
         else None,
-        acquire_many=_batch(d, fl, sa_dialect, d.acquire_many_sql, d.acquire_many_row),
     )
-
-
-def _batch(
-    d: Dialect, fl: Flavor, sa_dialect: SADialect, sql: str, row: str
-) -> Callable[[int], Any] | None:
-    """A batch statement for ``n`` rows, compiled on first use of each ``n``."""
-    if not sql:
-        return None
-    template = _with_fields(d, fl, sql)
-
-    @functools.cache
-    def for_rows(n: int) -> Any:
-        rows = ", ".join(row.replace("{i}", str(i)) for i in range(n))
-        return compile_for(text(template.format(rows=rows)), sa_dialect)
-
-    return for_rows
 
 
 def _acquire(d: Dialect, fl: Flavor, unless: bool = False, lean: bool = False) -> Any:
@@ -361,7 +342,6 @@ def _with_fields(d: Dialect, fl: Flavor, sql: str) -> str:
         plus_ttl=fl.plus_sql("ttl"),
         plus_mark_ttl=fl.plus_sql("mark_ttl"),
         free_t=free_sql(fl, "t", ":owner"),
-        free_many=free_sql(fl, "cur", "v.owner"),
         free_row=free_sql(fl, "task_locks", "excluded.owner"),
         takeover=TAKEOVER_SET.format(
             token=d.takeover_token_sql,

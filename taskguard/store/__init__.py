@@ -23,7 +23,6 @@ from taskguard.dialects import Dialect, Statement, lock_sql_for
 from taskguard.exceptions import DatabaseUnavailable, OutcomeUnknown
 from taskguard.lease import Holder, Lease, LockInfo, Marker
 from taskguard.store import infos, reaping
-from taskguard.store.batches import Batches
 from taskguard.store.connections import Executor, create_lock_engine
 from taskguard.store.errors import translate_error
 from taskguard.store.events import EventLog
@@ -79,8 +78,6 @@ class Store:
         self.history = EventLog(self._db, self._sql, self.dialect)
         #: Waiters' announcements and release notifications.
         self.waiters = Waiters(self._db, self._sql, listen_url)
-        #: Many grants in one statement.
-        self.batches = Batches(self._db, self._sql, call_timeout, self._marker_values)
         #: Keys a lean acquire was refused on (see :meth:`_grant`).
         self._contended: set[str] = set()
 

@@ -19,12 +19,6 @@ from pgbouncer_fixtures import (  # noqa: F401 - fixtures
     pgbouncer_session,
     pgbouncer_tx,
 )
-from test_batches import (  # noqa: F401 - re-run through the pooler
-    test_any_batch_size,
-    test_grants_what_is_free_and_refuses_what_is_held,
-    test_release_many_by_owner_only,
-    test_unless_refuses_while_the_marker_is_held,
-)
 from test_chaos import Plan, contention  # the harness, via test_chaos's sys.path setup
 from test_fence import (  # noqa: F401 - re-run through the pooler
     test_a_stale_holders_fenced_commit_fails,
