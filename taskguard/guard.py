@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import socket
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta
@@ -22,6 +21,7 @@ from taskguard.keys import (
     MAX_LIMIT,
     adopter_for,
     holder_for,
+    new_owner,
     normalize_key,
     optional_seconds,
     validate_limit,
@@ -177,7 +177,7 @@ class TaskGuard:
         holder = holder_for(self.hostname, task_name, task_id, hostname, pid, slot)
         store = self._store
         if limit == 1 and min_hold is None and wait is None and type(limit) is int:
-            values = store.grant_values(key, slot, uuid.uuid4().hex, seconds, holder, 1, unless)
+            values = store.grant_values(key, slot, new_owner(), seconds, holder, 1, unless)
             lease, seen = store.grant_seeing(values, seconds)
             return self._outcome(lease, values, holder, None, seen)
         n = validate_limit(limit, slot)
@@ -185,9 +185,7 @@ class TaskGuard:
         waiting = optional_seconds(wait, "wait")
         # One owner for every attempt (the waiters' queue knows it); the row keeps the
         # throttle window, so a crashed holder frees it no earlier.
-        values = store.grant_values(
-            key, slot, uuid.uuid4().hex, max(seconds, hold), holder, n, unless
-        )
+        values = store.grant_values(key, slot, new_owner(), max(seconds, hold), holder, n, unless)
 
         def attempt() -> Lease | None:
             return store.grant(values, n, seconds, hold)
@@ -283,7 +281,7 @@ class TaskGuard:
         seconds = validate_ttl(ttl)
         hold = optional_seconds(min_hold, "min_hold")
         holder = adopter_for(self.hostname, exclusive, task_name, task_id, hostname, pid, slot)
-        new = None if holder is None else (uuid.uuid4().hex, holder)
+        new = None if holder is None else (new_owner(), holder)
         lease = self._store.adopt(key, owner, slot, seconds, hold, new)
         if lease is not None and new is not None and self.history:
             self._store.history.handed_over(owner, lease, new[1])

@@ -11,7 +11,6 @@ records lock history. Driver errors become taskguard's exceptions in one place,
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, Literal
@@ -21,6 +20,7 @@ from sqlalchemy import URL, Engine
 from taskguard.deadline import DEFAULT_CALL_TIMEOUT, bounded
 from taskguard.dialects import Dialect, Statement, lock_sql_for
 from taskguard.exceptions import DatabaseUnavailable, OutcomeUnknown
+from taskguard.keys import new_owner
 from taskguard.lease import Holder, Lease, LockInfo, Marker
 from taskguard.store import infos, reaping
 from taskguard.store.connections import Executor, create_lock_engine
@@ -277,7 +277,7 @@ class Store:
     def _marker_values(self, marker: Marker) -> dict[str, Any]:
         return {
             "mark_key": marker.key,
-            "mark_owner": uuid.uuid4().hex,
+            "mark_owner": new_owner(),
             "mark_ttl": self._secs(marker.ttl),
             "task_name": marker.holder.task_name,
             "task_id": marker.holder.task_id,
@@ -286,7 +286,7 @@ class Store:
         }
 
     def _take_marker(self, marker: Marker) -> None:
-        values = self.grant_values(marker.key, 0, uuid.uuid4().hex, marker.ttl, marker.holder)
+        values = self.grant_values(marker.key, 0, new_owner(), marker.ttl, marker.holder)
         self.grant(values, 1, marker.ttl, 0.0)
 
     @bounded
