@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import common, report
 
-SECTIONS = ("pairs", "contention", "scale", "e2e", "storm", "refusals")
+SECTIONS = ("pairs", "contention", "scale", "e2e", "storm", "refusals", "split")
 DEFAULT_PG = os.environ.get(
     "TASKGUARD_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 )
@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.sections:
             module = importlib.import_module(f"benchlib.{name}")
             t0 = time.monotonic()
+            load_before = os.getloadavg()[0]
             print(f"-- {name} ...", file=sys.stderr, flush=True)
             try:
                 section_rows = module.run(env)
@@ -170,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                     module.rows(), f"{type(exc).__name__}: {exc}", error=True
                 )
             meta.setdefault("section_seconds", {})[name] = round(time.monotonic() - t0, 1)
+            # The 1-minute load average around each section: how loaded the machine was.
+            meta.setdefault("section_load", {})[name] = (load_before, os.getloadavg()[0])
             print(f"-- {name} done in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
             rows.extend(section_rows)
     finally:

@@ -1,17 +1,20 @@
 #!/usr/bin/env python3
 """Where the CPU of a guarded task goes: the end-to-end benchmark's trivial tasks
-(plain, ``@guarded_task``, celery-once, and the same lock by hand in the task
-body) through a real prefork worker (``-c 1``
+(plain, ``@guarded_task``, celery-once, the minimal correct lock by hand and
+taskguard's own SQL by hand in the task body) through a real prefork worker (``-c 1``
 unless told), with the CPU time of every process involved read from /proc before
 and after each batch.
 
     python scripts/e2e_cpu.py [--tasks 2000] [--rounds 2] [-c 2] [--relaxed]
-                              [--no-prefetch-grants] [--no-finished-records]
+                              [--no-finished-records]
 
 Needs the local PostgreSQL, Redis and RabbitMQ, like ``scripts/bench.py``; makes a
 scratch database (dropped at the end) and a queue and Redis keys of its own.
 Prints CPU microseconds per task for the publisher (this process), the worker's
-main process, its pool child, all PostgreSQL processes, RabbitMQ and Redis: the
+main process, its pool child, the PostgreSQL backends connected to the scratch
+database (exact, /proc/<pid>/schedstat; the server's other processes and other
+clients are not counted), and RabbitMQ and Redis (whole servers, shared with
+anything else that uses them): the
 difference between the plain and the guarded (celery-once, by hand) task is what
 the lock costs and who pays it (docs/benchmarks.md).
 
@@ -38,12 +41,13 @@ from pathlib import Path
 import psycopg
 import redis
 
-from taskguard import Lease, LeaseRequest, Marker, TaskGuard, schema
+from taskguard import Marker, TaskGuard, schema
 
 SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
 
-from benchlib.common import libpq_url  # noqa: E402  (scripts/ is on the path only now)
+from benchlib import cpu  # noqa: E402  (scripts/ is on the path only now)
+from benchlib.common import libpq_url  # noqa: E402
 
 PG_URL = os.environ.get(
     "TASKGUARD_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -64,8 +68,6 @@ def _kind(pid: int, worker_pid: int) -> str | None:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return None
-    if "postgres" in cmd:
-        return "postgres"
     if "beam" in cmd:
         return "rabbitmq"
     if "redis-server" in cmd:
@@ -79,68 +81,40 @@ def _kind(pid: int, worker_pid: int) -> str | None:
     return None
 
 
-def _snapshot(worker_pid: int) -> dict[tuple[int, str], int]:
-    out = {}
+def _snapshot(worker_pid: int, backends: list[int]) -> dict[tuple[int, str], float]:
+    """CPU ticks of every process of interest; the backends' exact, in ticks too."""
+    out: dict[tuple[int, str], float] = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
             kind = _kind(int(name), worker_pid)
             if kind is not None:
                 out[(int(name), kind)] = _ticks(int(name))
+    for pid in backends:
+        out[(pid, "pg backends")] = cpu.task_cpu_s(pid) * HZ
     return out
 
 
-def _statements_cpu(
-    url: str, n: int, durable: bool, grants_in_main: bool, records: bool = True
-) -> float:
-    """Client CPU (us) of the statements a guarded run's pool process sends, issued
-    through the same TaskGuard API in a loop: the part of the process's cost that
-    is the lock's own round trips, to tell it from @guarded_task's Python around
-    them. With the main process granting (taskguard_prefetch_grants, the default)
-    that is the release with its finished record; without, the acquire too.
-    Without ``records`` (taskguard_finished_retention=0) neither refuses a finished
-    task id nor writes one."""
+def _statements_cpu(url: str, n: int, durable: bool, records: bool = True) -> float:
+    """Client CPU (us) of the statements a guarded run's pool process sends (the
+    acquire and the release, with ``unless=`` and ``marker=`` unless ``records`` is
+    off: taskguard_finished_retention=0), issued through the same TaskGuard API in a
+    loop: the part of the process's cost that is the lock's own round trips, to tell
+    it from @guarded_task's Python around them."""
     guard = TaskGuard(url, durable=durable)
     try:
 
-        def finished_key() -> str | None:
-            return f"taskguard:finished:cpu-{uuid.uuid4().hex}" if records else None
-
-        def release(lease: Lease, done: str | None) -> None:
+        def pair(i: int) -> None:
+            done = f"taskguard:finished:cpu-{uuid.uuid4().hex}" if records else None
+            lease = guard.try_acquire(f"cpu:{i}", 60, unless=done).lease
+            assert lease is not None
             guard.release(lease, marker=None if done is None else Marker(done, 7200))
 
-        def leases(first: int) -> list[tuple[Lease, str | None]]:
-            out = []
-            for i in range(first, first + 50, 10):
-                done = [finished_key() for _ in range(10)]
-                asked = [LeaseRequest(f"cpu:{i + j}", 60, unless=d) for j, d in enumerate(done)]
-                got = guard.acquire_many(asked)
-                out += [(lease, d) for lease, d in zip(got, done, strict=True) if lease]
-            return out
-
-        def pair(i: int) -> None:
-            done = finished_key()
-            lease = guard.try_acquire(f"cpu:{i % 50}", 60, unless=done).lease
-            assert lease is not None
-            release(lease, done)
-
-        if not grants_in_main:
-            for i in range(200):
-                pair(i)
-            cpu0 = time.process_time()
-            for i in range(n):
-                pair(i)
-            return (time.process_time() - cpu0) * 1e6 / n
-        spent = 0.0
-        done_count = 0
-        while done_count < n + 200:
-            batch = leases(0)  # granted untimed, as the main process does
-            cpu0 = time.process_time()
-            for lease, done in batch:
-                release(lease, done)
-            if done_count >= 200:  # the first 200: warm-up
-                spent += time.process_time() - cpu0
-            done_count += len(batch)
-        return spent * 1e6 / (done_count - 200)
+        for i in range(200):
+            pair(i)
+        cpu0 = time.process_time()
+        for i in range(n):
+            pair(i)
+        return (time.process_time() - cpu0) * 1e6 / n
     finally:
         guard.dispose()
 
@@ -151,11 +125,6 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2, help="batches per variant, alternating")
     p.add_argument("--relaxed", action="store_true", help="taskguard_durable=False")
     p.add_argument("--concurrency", "-c", type=int, default=1, help="pool processes")
-    p.add_argument(
-        "--no-prefetch-grants",
-        action="store_true",
-        help="taskguard_prefetch_grants=False: pool processes take their own leases",
-    )
     p.add_argument(
         "--no-finished-records",
         action="store_true",
@@ -176,7 +145,6 @@ def main() -> int:
         "TGBENCH_QUEUE": f"tgcpu-{run_id}",
         "TGBENCH_PREFIX": prefix,
         "TGBENCH_DURABLE": "0" if args.relaxed else "1",
-        "TASKGUARD_PREFETCH": "0" if args.no_prefetch_grants else "1",
         "TGBENCH_FINISHED_RETENTION": "0" if args.no_finished_records else "7200",
         "TGBENCH_STATEMENT_CPU": "1",
         "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]),
@@ -203,7 +171,9 @@ def main() -> int:
             timed = f"{prefix}statements:{task.name}"  # type: ignore[attr-defined]
             start = int(counter.get(done) or 0)
             timed0 = float(counter.get(timed) or 0)
-            before, cpu0, t0 = _snapshot(worker.pid), time.process_time(), time.perf_counter()
+            backends = cpu.backends(admin, database=db)
+            before, cpu0 = _snapshot(worker.pid, backends), time.process_time()
+            t0 = time.perf_counter()
             for i in range(n):
                 task.apply_async((first + i,))  # type: ignore[attr-defined]
             deadline = time.monotonic() + 120
@@ -211,7 +181,8 @@ def main() -> int:
                 if time.monotonic() > deadline or worker.poll() is not None:
                     raise RuntimeError("the worker did not finish the batch")
                 time.sleep(0.005)
-            t1, cpu1, after = time.perf_counter(), time.process_time(), _snapshot(worker.pid)
+            t1, cpu1 = time.perf_counter(), time.process_time()
+            after = _snapshot(worker.pid, backends)
             per: dict[str, float] = {"publisher": (cpu1 - cpu0) * 1e6 / n}
             per["statements in place"] = (float(counter.get(timed) or 0) - timed0) * 1e6 / n
             for (pid, kind), ticks in after.items():
@@ -220,15 +191,22 @@ def main() -> int:
             return n / (t1 - t0), per
 
         time.sleep(3)
+        print(f"load average {os.getloadavg()[0]:.2f} at the start")
         batch(e2e_app.plain, 200, 10**9)  # warm-up: connections, prepared statements
         batch(e2e_app.guarded, 200, 2 * 10**9)
         batch(e2e_app.once, 200, 3 * 10**9)
         batch(e2e_app.handsql, 200, 4 * 10**9)
-        kinds = ("publisher", "worker main", "worker child", "postgres", "rabbitmq", "redis")
+        batch(e2e_app.minimal, 200, 5 * 10**9)
+        kinds = ("publisher", "worker main", "worker child", "pg backends", "rabbitmq", "redis")
         header = " ".join(f"{k:>12s}" for k in kinds)
         print(f"{'task':24s} {'tasks/s':>8s} {header}   (CPU us/task)")
         in_place: list[float] = []  # the guarded runs' statements, timed in the pool process
-        compared = {"guarded": e2e_app.guarded, "once": e2e_app.once, "by hand": e2e_app.handsql}
+        compared = {
+            "guarded": e2e_app.guarded,
+            "once": e2e_app.once,
+            "minimal by hand": e2e_app.minimal,
+            "taskguard SQL by hand": e2e_app.handsql,
+        }
         over_plain = {label: {k: [] for k in kinds} for label in compared}
         for rnd in range(args.rounds):
             seen: dict[str, dict[str, float]] = {}
@@ -246,27 +224,22 @@ def main() -> int:
             in_place.append(seen[e2e_app.guarded.name]["statements in place"])
         med = statistics.median
         print("\nadded CPU per task over the plain task (median of the rounds, us):")
-        print(f"{'':24s} {'':8s} " + " ".join(f"{k:>12s}" for k in kinds) + f" {'total':>12s}")
+        print(f"{'':24s} {'':8s} " + " ".join(f"{k:>12s}" for k in kinds) + f" {'client':>12s}")
         for label, table in over_plain.items():
             cells = [med(table[k]) for k in kinds]
             print(
                 f"{label:24s} {'':8s} "
                 + " ".join(f"{c:12.0f}" for c in cells)
-                + f" {sum(cells):12.0f}"
+                + f" {sum(cells[:3]):12.0f}"
             )
-        grants_in_main = not args.no_prefetch_grants
         records = not args.no_finished_records
-        sent = _statements_cpu(url, args.tasks, not args.relaxed, grants_in_main, records)
+        sent = _statements_cpu(url, args.tasks, not args.relaxed, records)
         pool_added = over_plain["guarded"]["worker child"]
         child = med(pool_added)
         beyond = child - sent
         spent = med(in_place)
         beyond_in_place = child - spent
-        if grants_in_main:
-            what = "its release" + (" with the finished record" if records else "")
-            what += " (the main process granted)"
-        else:
-            what = "acquire and release" + (" with unless= and marker=" if records else "")
+        what = "acquire and release" + (" with unless= and marker=" if records else "")
         print(
             f"\npool process, guarded - plain: "
             f"{', '.join(f'{a:.0f}' for a in pool_added)} us/task (median "
@@ -278,6 +251,7 @@ def main() -> int:
             f"  by hand in this process (warm): {sent:.0f} us/task; beyond them: "
             f"{beyond:.0f} us/task ({'met' if beyond <= 100 else 'MISSED'})"
         )
+        print(f"load average {os.getloadavg()[0]:.2f} at the end")
         for key in counter.scan_iter(f"{prefix}*"):
             counter.delete(key)
     finally:

@@ -22,7 +22,7 @@ from taskguard.exceptions import (
 from taskguard.guard import ReapResult, TaskGuard
 from taskguard.history import LockEvent
 from taskguard.keys import normalize_key, validate_ttl
-from taskguard.lease import Attempt, Holder, Lease, LeaseRequest, LockInfo, Marker
+from taskguard.lease import Attempt, Holder, Lease, LockInfo, Marker
 from taskguard.models import TaskLock, TaskLockEvent, metadata
 
 if TYPE_CHECKING:
@@ -50,7 +50,6 @@ __all__ = [
     "InvalidTTL",
     "Lease",
     "LeaseLost",
-    "LeaseRequest",
     "LockEvent",
     "LockHeld",
     "LockInfo",

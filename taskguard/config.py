@@ -58,10 +58,6 @@ DEFAULTS: dict[str, Any] = {
     #: this window is dropped (taskguard.celery.completions). Keep it above the broker's
     #: redelivery window (Redis/SQS visibility_timeout) plus the longest task. 0: off.
     "taskguard_finished_retention": 7200.0,
-    #: A prefork worker's main process takes the run leases of the lock="run" messages
-    #: it prefetched, many per statement (taskguard.celery.prefetched). False: each
-    #: pool process acquires when it starts the run.
-    "taskguard_prefetch_grants": True,
     #: Seconds a guarded run that cannot reach the lock database before its body starts
     #: keeps being published again with a backoff (1 s doubling to 30 s, outside
     #: max_retries), counted from its first failure; then it fails. 0: fail at once.

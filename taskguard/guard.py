@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import socket
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta
@@ -14,7 +13,6 @@ from typing import Any
 
 from sqlalchemy import URL, Engine
 
-from taskguard.batch import BatchOperations
 from taskguard.companions import without_companions
 from taskguard.deadline import DEFAULT_CALL_TIMEOUT
 from taskguard.exceptions import InvalidKey, LockHeld
@@ -24,6 +22,7 @@ from taskguard.keys import (
     MAX_LIMIT,
     adopter_for,
     holder_for,
+    new_owner,
     normalize_key,
     optional_seconds,
     validate_limit,
@@ -46,7 +45,7 @@ DEFAULT_HISTORY_RETENTION = 7 * 24 * 3600.0
 _DEFAULT_LIMIT = 10_000
 
 
-class TaskGuard(BatchOperations):
+class TaskGuard:
     """Per-key leases stored in ``task_locks``.
 
     ``url_or_engine`` is a SQLAlchemy URL (taskguard creates and owns a small
@@ -180,7 +179,7 @@ class TaskGuard(BatchOperations):
         holder = holder_for(self.hostname, task_name, task_id, hostname, pid, slot)
         store = self._store
         if limit == 1 and min_hold is None and wait is None and type(limit) is int:
-            values = store.grant_values(key, slot, uuid.uuid4().hex, seconds, holder, 1, unless)
+            values = store.grant_values(key, slot, new_owner(), seconds, holder, 1, unless)
             lease, seen = store.grant_seeing(values, seconds)
             return self._outcome(lease, values, holder, None, seen)
         n = validate_limit(limit, slot)
@@ -188,9 +187,7 @@ class TaskGuard(BatchOperations):
         waiting = optional_seconds(wait, "wait")
         # One owner for every attempt (the waiters' queue knows it); the row keeps the
         # throttle window, so a crashed holder frees it no earlier.
-        values = store.grant_values(
-            key, slot, uuid.uuid4().hex, max(seconds, hold), holder, n, unless
-        )
+        values = store.grant_values(key, slot, new_owner(), max(seconds, hold), holder, n, unless)
 
         def attempt() -> Lease | None:
             return store.grant(values, n, seconds, hold)
@@ -286,7 +283,7 @@ class TaskGuard(BatchOperations):
         seconds = validate_ttl(ttl)
         hold = optional_seconds(min_hold, "min_hold")
         holder = adopter_for(self.hostname, exclusive, task_name, task_id, hostname, pid, slot)
-        new = None if holder is None else (uuid.uuid4().hex, holder)
+        new = None if holder is None else (new_owner(), holder)
         lease = self._store.adopt(key, owner, slot, seconds, hold, new)
         if lease is not None and new is not None and self.history:
             self._store.history.handed_over(owner, lease, new[1])

@@ -22,6 +22,7 @@ __all__ = [
     "MIN_TTL",
     "adopter_for",
     "holder_for",
+    "new_owner",
     "normalize_key",
     "optional_seconds",
     "validate_holder",
@@ -41,6 +42,11 @@ MIN_TTL = 0.001
 MAX_TTL = 366 * 24 * 3600.0
 #: Largest concurrency limit: each acquire looks at up to this many slot rows.
 MAX_LIMIT = 1000
+
+
+def new_owner() -> str:
+    """A fresh owner id: 32 random hex digits."""
+    return os.urandom(16).hex()
 
 
 def normalize_key(key: object) -> str:

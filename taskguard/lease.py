@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 from taskguard.fencing import fence
 
-__all__ = ["Attempt", "Holder", "Lease", "LeaseRequest", "LockInfo", "Marker", "ReapResult"]
+__all__ = ["Attempt", "Holder", "Lease", "LockInfo", "Marker", "ReapResult"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,16 +172,6 @@ class Marker:
     key: str
     ttl: float
     holder: Holder = Holder()
-
-
-class LeaseRequest(NamedTuple):
-    """One grant of :meth:`taskguard.TaskGuard.acquire_many`: ``key`` for ``ttl``
-    seconds, described by ``holder``, refused while the key ``unless`` is held."""
-
-    key: str
-    ttl: float | timedelta
-    holder: Holder = Holder()
-    unless: str | None = None
 
 
 class ReapResult(int):

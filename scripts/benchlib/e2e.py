@@ -2,7 +2,7 @@
 
 One worker (``celery worker -P prefork -c <cores>``) on a queue of its own serves
 the unguarded, guarded (``lock="run"`` and ``"queue_and_run"``), celery-once and
-by-hand SQL variants; batches alternate between
+minimal-lock-by-hand variants; batches alternate between
 variants round by round. A batch's time runs from its first publish until the
 worker has finished its last task. A second worker, configured with
 ``taskguard_durable=False``, repeats the unguarded, guarded and celery-once variants:
@@ -44,7 +44,7 @@ def rows() -> list[Row]:
         r("plain", "trivial task, unguarded", None),
         r("guarded", 'trivial task, @guarded_task(lock="run")', "e2e.plain"),
         r("once", "trivial task, celery-once QueueOnce", "e2e.plain"),
-        r("handsql", "trivial task, the same lock by hand in its body (psycopg)", "e2e.plain"),
+        r("minimal", "trivial task, the minimal correct lock by hand in its body", "e2e.plain"),
         r("queue_and_run", 'trivial task, @guarded_task(lock="queue_and_run")', "e2e.plain"),
         r("guarded_relaxed", "trivial task, @guarded_task, taskguard_durable=False", None),
         r("once_relaxed", "trivial task, celery-once QueueOnce, in the same worker", None),
@@ -174,7 +174,7 @@ def run(env: Env) -> list[Row]:
 def _measure(env: Env, mod: Any, by_id: dict[str, Row]) -> None:
     rounds, per_round = env.pick((1, 100), (4, 500))  # 2,000 tasks per variant in a full run
     concurrency = _concurrency()
-    names = ["plain", "once", "handsql"]
+    names = ["plain", "once", "minimal"]
     if mod.GUARDED_UNAVAILABLE:
         for row_id in (
             "e2e.guarded",
@@ -196,7 +196,6 @@ def _measure(env: Env, mod: Any, by_id: dict[str, Row]) -> None:
         unsent = {
             "release": "releases",
             "adopt": "adoptions of handed-over leases",
-            "all": "releases and batch grants",
         }[mod.STUB]
         stubbed = ["e2e.queue_and_run"]
         if mod.STUB != "adopt":

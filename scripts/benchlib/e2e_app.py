@@ -6,21 +6,18 @@ celery-once's), and celery-once's ``QueueOnce``. Every finished task
 bumps one Redis counter per task name (same cost for all), which is how the
 benchmark knows when a batch is done without a result backend.
 
-One more task takes the same lock by hand in its body: taskguard's own acquire and
-release SQL, prepared, on a psycopg connection of its pool process (the pairs
-section's raw SQL, run per task), for what a lock costs end to end without the
-library.
+Two more take a lock by hand in their body, prepared, on a psycopg connection of
+their pool process: ``minimal``, the minimal correct lock (the pairs section's
+anchor, :class:`benchlib.pairs.MinimalLock`), and ``handsql``, taskguard's own
+acquire and release SQL (the pairs section's raw SQL): what a lock costs end to end
+without the library.
 
 ``TGBENCH_STUB`` (diagnosis only, e.g. ``TGBENCH_STUB=release python
 scripts/bench.py --sections e2e``) makes TaskGuard calls in the worker answer
-without the database: ``release`` (every release reports success), ``adopt``
+without the database: ``release`` (every release reports success) or ``adopt``
 (every adoption of a lease handed over in the message, ``lock="queue_and_run"``,
-succeeds; releases are sent), or ``all`` (releases and the main process's batch
-grants, each granted): what the guarded run would cost if those statements cost
-nothing. No lock holds while it is set.
-
-``TGBENCH_PREFETCH_MULTIPLIER`` sets the worker's ``worker_prefetch_multiplier``
-(Celery's default, 4, unless set): how many messages the main process can grant at once.
+succeeds; releases are sent): what the guarded run would cost if those statements
+cost nothing. No lock holds while it is set.
 
 With ``TGBENCH_STATEMENT_CPU=1`` (``scripts/e2e_cpu.py``) each pool process also
 times the TaskGuard calls its runs make (the thread's CPU inside ``try_acquire``,
@@ -47,21 +44,19 @@ REDIS_URL = os.environ.get("TGBENCH_REDIS_URL", "redis://127.0.0.1:6379/11")
 PREFIX = os.environ.get("TGBENCH_PREFIX", "tgbench:")
 TTL = 60
 STATEMENT_CPU = os.environ.get("TGBENCH_STATEMENT_CPU") == "1"
-#: "", "release", "adopt" or "all": see the module docstring.
+#: "", "release" or "adopt": see the module docstring.
 STUB = os.environ.get("TGBENCH_STUB", "")
-if STUB not in ("", "release", "adopt", "all"):
-    raise SystemExit(f"TGBENCH_STUB={STUB!r}: use 'release', 'adopt' or 'all' (or leave it unset)")
+if STUB not in ("", "release", "adopt"):
+    raise SystemExit(f"TGBENCH_STUB={STUB!r}: use 'release' or 'adopt' (or leave it unset)")
 
 app = Celery("tgbench_e2e", broker=BROKER)
 app.conf.update(
     task_default_queue=QUEUE,
     task_ignore_result=True,
-    worker_prefetch_multiplier=int(os.environ.get("TGBENCH_PREFETCH_MULTIPLIER", "4")),
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=False,
     taskguard_database_url=DB_URL,
     taskguard_durable=os.environ.get("TGBENCH_DURABLE", "1") == "1",
-    taskguard_prefetch_grants=os.environ.get("TASKGUARD_PREFETCH", "1") == "1",
     taskguard_finished_retention=float(os.environ.get("TGBENCH_FINISHED_RETENTION", "7200")),
     ONCE={
         "backend": "celery_once.backends.Redis",
@@ -73,6 +68,7 @@ PLAIN = f"{PREFIX}plain"
 GUARDED = f"{PREFIX}guarded"
 ONCE = f"{PREFIX}once"
 HANDSQL = f"{PREFIX}handsql"
+MINIMAL = f"{PREFIX}minimal"
 QUEUE_AND_RUN = f"{PREFIX}queue_and_run"
 
 
@@ -86,17 +82,29 @@ def once(i: int) -> None:
     return None
 
 
-_raw: list[Any] = []  # this pool process's hand-written SQL contestant
+_by_hand: dict[str, Any] = {}  # this pool process's hand-written locks
+
+
+def _lock_by_hand(kind: str) -> Any:
+    if kind not in _by_hand:  # connected in the pool process, after the fork
+        from benchlib.common import Row
+        from benchlib.pairs import MinimalLock, RawSql
+
+        row = Row(f"e2e.{kind}", "", "")
+        _by_hand[kind] = (
+            MinimalLock(row, DB_URL) if kind == "minimal" else RawSql(row, DB_URL, durable=True)
+        )
+    return _by_hand[kind]
 
 
 @app.task(name=HANDSQL)
 def handsql(i: int) -> None:
-    if not _raw:  # connected in the pool process, after the fork
-        from benchlib.common import Row
-        from benchlib.pairs import RawSql
+    _lock_by_hand("handsql").pair(f"{PREFIX}h:{i}")
 
-        _raw.append(RawSql(Row("e2e.handsql", "", ""), DB_URL, durable=True))
-    _raw[0].pair(f"{PREFIX}h:{i}")
+
+@app.task(name=MINIMAL)
+def minimal(i: int) -> None:
+    _lock_by_hand("minimal").pair(f"{PREFIX}m:{i}")
 
 
 #: Why the guarded task could not be defined (None when it was).
@@ -149,17 +157,10 @@ def _stub_statements(**_: Any) -> None:
     from datetime import datetime, timedelta, timezone
 
     from taskguard import TaskGuard
-    from taskguard.lease import Lease, LeaseRequest
+    from taskguard.lease import Lease
 
     def release(self: TaskGuard, lease: Lease, *, marker: Any = None) -> bool:
         return True
-
-    def acquire_many(self: TaskGuard, requests: list[LeaseRequest]) -> list[Lease | None]:
-        now = datetime.now(timezone.utc)
-        return [
-            Lease(r.key, os.urandom(16).hex(), 1, now, now + timedelta(seconds=TTL), float(TTL))
-            for r in requests
-        ]
 
     def adopt(self: TaskGuard, key: str, owner: str, ttl: float, **_: Any) -> Lease:
         now = datetime.now(timezone.utc)
@@ -169,8 +170,6 @@ def _stub_statements(**_: Any) -> None:
         TaskGuard.adopt = adopt  # type: ignore[assignment]
         return
     TaskGuard.release = release  # type: ignore[method-assign]
-    if STUB == "all":
-        TaskGuard.acquire_many = acquire_many  # type: ignore[method-assign]
 
 
 @task_postrun.connect

@@ -20,6 +20,7 @@ import psycopg
 from chaoslib.pgbouncer import PgBouncer
 from sqlalchemy.engine import make_url
 
+from benchlib import cpu
 from benchlib.common import (
     Env,
     Row,
@@ -41,10 +42,14 @@ UNNAMED: dict[str, Any] = {"connect_args": {"prepare_threshold": 2**31 - 1}}
 
 
 class Contestant:
-    """One way of taking and giving back a lock; ``pair()`` must raise if not granted."""
+    """One way of taking and giving back a lock; ``pair()`` must raise if not granted.
+
+    A contestant on PostgreSQL names its connections ``app_name`` (its
+    ``application_name``): their backends' CPU is then measured too."""
 
     def __init__(self, row: Row) -> None:
         self.row = row
+        self.app_name: str | None = None
 
     def pair(self) -> None:
         raise NotImplementedError
@@ -58,7 +63,7 @@ class PgSelectOne(Contestant):
 
     def __init__(self, row: Row, url: str) -> None:
         super().__init__(row)
-        self.conn = psycopg.connect(libpq_url(url), autocommit=True)
+        self.conn = _pg_connect(self, url)
         self.cur = self.conn.cursor()
 
     def pair(self) -> None:
@@ -83,7 +88,7 @@ class RawSql(Contestant):
         sql = lock_sql_for(engine.dialect)
         engine.dispose()
         self.acquire_sql, self.release_sql = sql.acquire.sql, sql.release.sql
-        self.conn = psycopg.connect(libpq_url(url), autocommit=True)
+        self.conn = _pg_connect(self, url)
         if not durable:
             self.conn.execute("SET synchronous_commit TO off")
         self.cur = self.conn.cursor()
@@ -119,11 +124,72 @@ class RawSql(Contestant):
         self.conn.close()
 
 
+#: The minimal correct lock (issue 29's anchor): an upsert that takes the row only
+#: when its lease ended, a fresh fencing token from the same sequence, and a release
+#: that checks the owner. No waiters, limits, markers, holder details or holder read.
+#: Durable like taskguard's: the grant waits for the WAL flush, the release does not
+#: (a lost release only keeps the key until its expiry), in the statement itself.
+MINIMAL_ACQUIRE = """
+INSERT INTO task_locks AS t (key, slot, owner, token, acquired_at, expires_at)
+VALUES (%(key)s, 0, %(owner)s, nextval('task_locks_token_seq'), statement_timestamp(),
+        statement_timestamp() + %(ttl)s * interval '1 second')
+ON CONFLICT (key, slot) DO UPDATE
+SET owner = excluded.owner, token = nextval('task_locks_token_seq'),
+    acquired_at = excluded.acquired_at, expires_at = excluded.expires_at
+WHERE t.expires_at <= statement_timestamp()
+RETURNING t.token
+"""
+MINIMAL_RELEASE = """
+UPDATE task_locks SET expires_at = statement_timestamp()
+WHERE key = %(key)s AND slot = 0 AND owner = %(owner)s AND expires_at > statement_timestamp()
+  AND set_config('synchronous_commit', 'off', true) IS NOT NULL
+"""
+
+
+class MinimalLock(Contestant):
+    """The minimal correct lock by hand (:data:`MINIMAL_ACQUIRE`, :data:`MINIMAL_RELEASE`),
+    prepared, durable, on the same table: the floor taskguard's pair is held to."""
+
+    def __init__(self, row: Row, url: str) -> None:
+        super().__init__(row)
+        self.conn = _pg_connect(self, url)
+        self.cur = self.conn.cursor()
+        self.key = f"bench:pair:{row.id}"
+
+    def pair(self, key: str | None = None) -> None:
+        """Acquire and release ``key`` (default: this contestant's own key)."""
+        key = self.key if key is None else key
+        cur = self.cur
+        owner = uuid.uuid4().hex
+        cur.execute(MINIMAL_ACQUIRE, {"key": key, "owner": owner, "ttl": TTL}, prepare=True)
+        if cur.fetchone() is None:
+            raise RuntimeError(f"minimal acquire of {key} was not granted")
+        cur.execute(MINIMAL_RELEASE, {"key": key, "owner": owner}, prepare=True)
+        if cur.rowcount != 1:
+            raise RuntimeError(f"minimal release of {key} matched {cur.rowcount} rows")
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def _pg_connect(contestant: Contestant, url: str) -> psycopg.Connection[Any]:
+    """An autocommit psycopg connection named after the contestant's row."""
+    contestant.app_name = f"tgbench:{contestant.row.id}"
+    return psycopg.connect(libpq_url(url), autocommit=True, application_name=contestant.app_name)
+
+
 class TaskGuardPair(Contestant):
     """taskguard through its public API (``engine_kwargs`` go to TaskGuard)."""
 
-    def __init__(self, row: Row, url: str, *, durable: bool, **engine_kwargs: Any) -> None:
+    def __init__(
+        self, row: Row, url: str, *, durable: bool, named: bool = True, **engine_kwargs: Any
+    ) -> None:
         super().__init__(row)
+        connect_args = dict(engine_kwargs.pop("connect_args", {}))
+        if named and url.startswith("postgresql"):
+            self.app_name = connect_args["application_name"] = f"tgbench:{row.id}"
+        if connect_args:
+            engine_kwargs["connect_args"] = connect_args
         self.guard = TaskGuard(url, durable=durable, **engine_kwargs)
         self.key = f"bench:pair:{row.id}"
 
@@ -217,7 +283,7 @@ class PgAdvisory(Contestant):
 
     def __init__(self, row: Row, url: str) -> None:
         super().__init__(row)
-        self.conn = psycopg.connect(libpq_url(url), autocommit=True)
+        self.conn = _pg_connect(self, url)
         self.cur = self.conn.cursor()
 
     def pair(self) -> None:
@@ -295,8 +361,9 @@ def rows() -> list[Row]:
 
     return [
         r("pg_floor", "floor: 2x SELECT 1 (PostgreSQL)", None),
-        r("raw_sql", "raw SQL upsert+release, psycopg prepared", "pg_floor"),
-        r("taskguard", "taskguard acquire+release", "raw_sql"),
+        r("minimal", "minimal correct lock by hand (upsert+release), psycopg prepared", "pg_floor"),
+        r("raw_sql", "taskguard's own SQL by hand, psycopg prepared", "minimal"),
+        r("taskguard", "taskguard acquire+release", "minimal"),
         r("taskguard_unnamed", "taskguard, unnamed statements (as via a pooler)", "taskguard"),
         r("taskguard_pgbouncer_tx", "taskguard via PgBouncer (transaction)", "taskguard"),
         r("raw_sql_relaxed", "raw SQL, synchronous_commit=off", "pg_floor"),
@@ -333,6 +400,7 @@ def run(env: Env) -> list[Row]:
             "pair.maria_taskguard": lambda row: TaskGuardPair(row, maria, durable=True),
             "pair.maria_raw_pymysql": lambda row: MariaRawSql(row, maria, "pymysql"),
             "pair.pg_floor": lambda row: PgSelectOne(row, url),
+            "pair.minimal": lambda row: MinimalLock(row, url),
             "pair.raw_sql": lambda row: RawSql(row, url, durable=True),
             "pair.taskguard": lambda row: TaskGuardPair(row, url, durable=True),
             "pair.taskguard_unnamed": lambda row: TaskGuardPair(row, url, durable=True, **UNNAMED),
@@ -351,18 +419,30 @@ def run(env: Env) -> list[Row]:
                     contestants.append(makers[row.id](row))
                 except Exception as exc:  # report the row, measure the others
                     not_run([row], f"{type(exc).__name__}: {exc}", error=True)
-            measure(contestants, rounds, per_round, warmup)
+            measure(contestants, rounds, per_round, warmup, admin_url=url)
         finally:
             for c in contestants:
                 c.close()
     return out
 
 
-def measure(contestants: list[Contestant], rounds: int, per_round: int, warmup: int) -> None:
+def measure(
+    contestants: list[Contestant],
+    rounds: int,
+    per_round: int,
+    warmup: int,
+    admin_url: str | None = None,
+) -> None:
+    """Run every contestant ``rounds`` times ``per_round`` pairs, interleaved (the
+    order rotating each round). With ``admin_url`` (any database of the PostgreSQL
+    server) the CPU of each named contestant's backends is read around its rounds."""
     samples: dict[str, list[int]] = {c.row.id: [] for c in contestants}
     elapsed: dict[str, int] = dict.fromkeys(samples, 0)
     # This process's CPU time: the client-side cost, which machine load barely moves.
-    cpu: dict[str, float] = dict.fromkeys(samples, 0.0)
+    client: dict[str, float] = dict.fromkeys(samples, 0.0)
+    # The CPU of each contestant's PostgreSQL backends (by application_name).
+    server: dict[str, float] = dict.fromkeys(samples, 0.0)
+    pids: dict[str, list[int]] = {}
     live = list(contestants)
     for c in list(live):
         try:
@@ -371,6 +451,11 @@ def measure(contestants: list[Contestant], rounds: int, per_round: int, warmup: 
         except Exception as exc:
             not_run([c.row], f"{type(exc).__name__}: {exc}", error=True)
             live.remove(c)
+    if admin_url is not None:
+        with psycopg.connect(libpq_url(admin_url), autocommit=True) as conn:
+            for c in live:
+                if c.app_name is not None:
+                    pids[c.row.id] = cpu.backends(conn, application_name=c.app_name)
     for rnd in range(rounds):
         shift = rnd % max(1, len(live))
         for c in live[shift:] + live[:shift]:
@@ -379,13 +464,16 @@ def measure(contestants: list[Contestant], rounds: int, per_round: int, warmup: 
             lat = samples[c.row.id]
             gc.collect()
             try:
+                mine = pids.get(c.row.id, [])
+                server_start = cpu.sum_task_cpu_s(mine)
                 start, cpu_start = now_ns(), time.process_time()
                 for _ in range(per_round):
                     t0 = now_ns()
                     c.pair()
                     lat.append(now_ns() - t0)
                 elapsed[c.row.id] += now_ns() - start
-                cpu[c.row.id] += time.process_time() - cpu_start
+                client[c.row.id] += time.process_time() - cpu_start
+                server[c.row.id] += cpu.sum_task_cpu_s(mine) - server_start
             except Exception as exc:
                 not_run([c.row], f"{type(exc).__name__}: {exc}", error=True)
     for c in live:
@@ -394,9 +482,14 @@ def measure(contestants: list[Contestant], rounds: int, per_round: int, warmup: 
         lat = samples[c.row.id]
         c.row.rate = len(lat) / (elapsed[c.row.id] / 1e9)
         c.row.p50_ms, c.row.p99_ms = latency_ms(lat)
-        cpu_us = cpu[c.row.id] / len(lat) * 1e6
+        cpu_us = client[c.row.id] / len(lat) * 1e6
         c.row.extra = {"pairs": len(lat), "rounds": rounds, "client_cpu_us_per_pair": cpu_us}
         c.row.note = f"client CPU {cpu_us:,.0f} us/pair"
+        if pids.get(c.row.id):
+            server_us = server[c.row.id] / len(lat) * 1e6
+            c.row.extra["server_cpu_us_per_pair"] = server_us
+            c.row.extra["backends"] = len(pids[c.row.id])
+            c.row.note += f", PostgreSQL CPU {server_us:,.0f} us/pair"
 
 
 def profile_taskguard(env: Env, pairs: int, *, durable: bool) -> str:

@@ -50,7 +50,10 @@ class GuardRefusal(Contestant):
 
     def __init__(self, row: Row, url: str, **engine_kwargs: object) -> None:
         super().__init__(row)
-        self.guard = TaskGuard(url, **engine_kwargs)
+        connect_args = dict(engine_kwargs.pop("connect_args", {}))  # type: ignore[call-overload]
+        if url.startswith("postgresql"):
+            self.app_name = connect_args["application_name"] = f"tgbench:{row.id}"
+        self.guard = TaskGuard(url, connect_args=connect_args, **engine_kwargs)
         self.key = f"bench:refusal:{row.id}"
         if self.guard.acquire(self.key, 3600, task_name="bench.holder") is None:
             raise RuntimeError(f"could not take {self.key} for the refusals")
@@ -127,7 +130,7 @@ def run(env: Env) -> list[Row]:
                     contestants.append(makers[row.id](row))
                 except Exception as exc:  # report the row, measure the others
                     not_run([row], f"{type(exc).__name__}: {exc}", error=True)
-            measure(contestants, rounds, per_round, warmup)
+            measure(contestants, rounds, per_round, warmup, admin_url=url)
         finally:
             for c in contestants:
                 c.close()

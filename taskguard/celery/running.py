@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from taskguard import signals
-from taskguard.celery import completions, debounce, handoff, outage, pending, prefetched, rate
+from taskguard.celery import completions, debounce, handoff, outage, pending, rate
 from taskguard.celery.countdowns import conflict_countdown
 from taskguard.celery.deferral import defer
 from taskguard.celery.header import header_of, message_key
@@ -79,13 +79,6 @@ def run_guarded(task: Any, request: Any, args: tuple[Any, ...], kwargs: dict[str
         # Adopting the hand-off took it from the owner id in the message, which no
         # delivery of this task id had taken before: none of them ran, let alone finished.
         checked = track and lease is not None
-    granted = header.get(prefetched.GRANTED)
-    if lease is None and isinstance(granted, dict):
-        # Taken by the worker's main process with the same refusals (finished record).
-        lease = prefetched.adopt(guard, granted)
-        if lease is not None:
-            checked = track
-            signals.lock_acquired.send(sender=task, key=key, lease=lease)
     if lease is None:
         lease, holder, waited = _acquire(task, guard, request, key, ttl, done)
         checked = track

@@ -18,7 +18,7 @@ from celery import Task
 from celery.exceptions import Retry
 from celery.signals import task_revoked
 
-from taskguard.celery import enqueue, outage, prefetched, running
+from taskguard.celery import enqueue, outage, running
 from taskguard.celery.countdowns import retry_delay
 from taskguard.celery.header import HEADER, header_of
 from taskguard.celery.leasing import clamp_ttl, default_ttl
@@ -44,8 +44,6 @@ class GuardedTask(Task):  # type: ignore[misc]
 
     #: Releases what a killed child held (see taskguard.celery.worker).
     Request = "taskguard.celery.worker:GuardedRequest"
-    #: Takes the run leases of prefetched messages in batches (taskguard.celery.prefetched).
-    Strategy = "taskguard.celery.prefetched:strategy"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -182,7 +180,6 @@ def _on_revoked(
     sender: Any = None, request: Any = None, terminated: bool = False, **_: Any
 ) -> None:
     if isinstance(sender, GuardedTask) and request is not None and not terminated:
-        prefetched.give_back(request.id)
         release_unstarted(sender, request, header_of(request))
 
 

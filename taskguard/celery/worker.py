@@ -32,7 +32,7 @@ from celery.platforms import signals as platform_signals
 from celery.worker.request import Request
 from kombu.asynchronous import get_event_loop
 
-from taskguard.celery import pending, prefetched
+from taskguard.celery import pending
 from taskguard.celery.header import header_of, message_key
 from taskguard.celery.leasing import (
     held_seconds,
@@ -84,11 +84,6 @@ def release_dead_run(
             count += int(released)
             _report(key, task, task_id, pid, nodename, why)
             send_released(task, lease, released, (info.read_at - info.acquired_at).total_seconds())
-        granted = header.get(prefetched.GRANTED)
-        if isinstance(granted, dict) and release_quietly(guard, Lease.from_dict(granted)):
-            # Taken by this main process for the child (its pid is ours): by owner.
-            count += 1
-            _report(key, task, task_id, pid, nodename, why, " (taken by the main process)")
         pending.give_up(task, header)  # [coalesce] a dead pending run gives its place back
         return count
     except Exception:
@@ -96,17 +91,14 @@ def release_dead_run(
         return 0
 
 
-def _report(
-    key: str, task: Any, task_id: str, pid: int, nodename: str | None, why: str, via: str = ""
-) -> None:
+def _report(key: str, task: Any, task_id: str, pid: int, nodename: str | None, why: str) -> None:
     log.warning(
-        "released lock %r held by %s[%s] (pid %s on %s%s): %s",
+        "released lock %r held by %s[%s] (pid %s on %s): %s",
         key,
         task.name,
         task_id,
         pid,
         nodename,
-        via,
         why,
     )
 
@@ -143,10 +135,6 @@ class GuardedRequest(Request):  # type: ignore[misc]
 
     A task that brings its own ``Request`` class should derive it from this one.
     """
-
-    def on_accepted(self, pid: int, time_accepted: float) -> None:
-        prefetched.started(self.id)  # its prefetched grant, if any, is the child's now
-        super().on_accepted(pid, time_accepted)
 
     def terminate(self, pool: Any, signal: Any = None) -> None:
         started = bool(self.time_start)

@@ -167,13 +167,14 @@ class LockSQL:
     #: ``acquire`` refused while the key ``:unless`` is held (one statement); None:
     #: the store reads that key first.
     acquire_unless: Statement | None = None
+    #: Dialects with :attr:`Dialect.lean_acquire`: ``acquire`` / ``acquire_unless``
+    #: for the common case, granting only a row no waiter has reserved and reading
+    #: nothing else; an empty result means "send the full statement".
+    acquire_lean: Statement | None = None
+    acquire_unless_lean: Statement | None = None
     #: ``release`` that also takes the marker key ``:mark_key`` for ``:mark_ttl``
     #: seconds, in one transaction and one round trip; None: two statements.
     release_marking: Statement | None = None
-    #: Many grants, one statement, for ``n`` rows (``key_0``, ``owner_0``, … as
-    #: parameters): rows (key, owner, token, acquired_at, expires_at) of the granted
-    #: ones; None: one ``acquire_unless`` per grant.
-    acquire_many: Callable[[int], Statement] | None = None
 
 
 class ErrorKind(enum.Enum):
@@ -264,14 +265,11 @@ class Dialect:
     #: A release and a marker grant in one statement (a data-modifying CTE), as text
     #: with the fields of acquire_slots_sql; "" where the dialect has no such thing.
     release_marking_sql: ClassVar[str] = ""
-    #: Many single-slot grants in one statement (fields as above, plus ``{rows}``:
-    #: ``acquire_many_row`` once per row, ``{i}`` its number); "" where the dialect
-    #: has none (:meth:`TaskGuard.acquire_many` then loops).
-    acquire_many_sql: ClassVar[str] = ""
-    acquire_many_row: ClassVar[str] = ""
-    #: Whether the driver sends many executions of one statement in one round trip
-    #: and one transaction (psycopg's pipelined executemany): many releases.
-    pipelines: ClassVar[bool] = False
+    #: Whether the store sends a lean acquire first (:attr:`LockSQL.acquire_lean`),
+    #: the full one only when that grants nothing: where the full one costs a grant
+    #: more than the lean one's extra round trip costs a refusal (PostgreSQL: the full
+    #: one also reads the refusal's holder).
+    lean_acquire: ClassVar[bool] = False
 
     def own_statements(self, fl: Flavor) -> dict[str, Any]:
         """Statements this dialect writes itself, by :class:`LockSQL` field name,

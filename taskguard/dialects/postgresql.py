@@ -42,7 +42,6 @@ from sqlalchemy.dialects import postgresql as pg
 from sqlalchemy.engine import Dialect as SADialect
 from sqlalchemy.sql import func
 
-from taskguard.dialects import postgresql_batch as batch_sql
 from taskguard.dialects import postgresql_refusal as refusal
 from taskguard.dialects.base import (
     RESERVE_GRACE,
@@ -205,9 +204,7 @@ class PostgreSQL(Dialect):
     acquire_slots_sql = _ACQUIRE_SLOTS
     takeover_token_sql = "nextval('task_locks_token_seq')"
     release_marking_sql = _RELEASE_MARKING
-    acquire_many_sql = batch_sql.ACQUIRE_MANY
-    acquire_many_row = batch_sql.ACQUIRE_MANY_ROW
-    pipelines = True
+    lean_acquire = True
 
     def flavor(self) -> Flavor:
         grace = f"{_NOW} - interval '{RESERVE_GRACE} seconds'"

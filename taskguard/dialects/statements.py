@@ -5,8 +5,6 @@ SQLAlchemy dialect (no per-call compilation on the hot path)."""
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import (
@@ -78,6 +76,20 @@ def _free(fl: Flavor, owner: ColumnElement[Any], t: Any = _t) -> ColumnElement[b
     )
 
 
+def _unreserved(t: Any = _t) -> ColumnElement[bool]:
+    """The lean acquire's waiter condition: no waiter's reservation is on the row (a
+    row whose lease ended and that no waiter announced itself on). Any row it does
+    not hold for goes to :func:`_free`'s full rules, so this may be stricter than
+    they are, never looser."""
+    unreserved: ColumnElement[bool] = t.c.next_owner.is_(None)
+    return unreserved
+
+
+def _lean_free(fl: Flavor, t: Any = _t) -> ColumnElement[bool]:
+    """The row's lease ended and no waiter has reserved it: implies :func:`_free`."""
+    return and_(t.c.expires_at <= fl.now, _unreserved(t))
+
+
 _RESERVATION = ("next_owner", "next_since", "next_until")
 
 
@@ -113,6 +125,9 @@ def build_lock_sql(d: Dialect, sa_dialect: SADialect) -> LockSQL:
     acquire_unless = (
         d.reading_refusal(_acquire(d, fl, True), fl, True, sa_dialect) if by_hooks else None
     )
+    lean = by_hooks and d.lean_acquire
+    acquire_lean = c(_acquire(d, fl, lean=True)) if lean else None
+    acquire_unless_lean = c(_acquire(d, fl, True, lean=True)) if lean else None
     acquire_slots = own["acquire_slots"] if "acquire_slots" in own else _acquire_slots(d, fl)
 
     mine = and_(
@@ -248,32 +263,22 @@ def build_lock_sql(d: Dialect, sa_dialect: SADialect) -> LockSQL:
         **{name: compiled(name) for name in shared},
         reaped_events=None if reaped_events is None else c(text(reaped_events)),
         acquire_unless=acquire_unless,
+        acquire_lean=acquire_lean,
+        acquire_unless_lean=acquire_unless_lean,
         release_marking=c(text(_with_fields(d, fl, d.release_marking_sql)))
         if d.release_marking_sql
         else None,
-        acquire_many=_batch(d, fl, sa_dialect, d.acquire_many_sql, d.acquire_many_row),
     )
 
 
-def _batch(
-    d: Dialect, fl: Flavor, sa_dialect: SADialect, sql: str, row: str
-) -> Callable[[int], Any] | None:
-    """A batch statement for ``n`` rows, compiled on first use of each ``n``."""
-    if not sql:
-        return None
-    template = _with_fields(d, fl, sql)
-
-    @functools.cache
-    def for_rows(n: int) -> Any:
-        rows = ", ".join(row.replace("{i}", str(i)) for i in range(n))
-        return compile_for(text(template.format(rows=rows)), sa_dialect)
-
-    return for_rows
-
-
-def _acquire(d: Dialect, fl: Flavor, unless: bool = False) -> Any:
+def _acquire(d: Dialect, fl: Flavor, unless: bool = False, lean: bool = False) -> Any:
     """The shared ``INSERT … SELECT … ON CONFLICT DO UPDATE … WHERE <free>``;
-    ``unless``: no row to insert (so no takeover either) while key ``:unless`` is held."""
+    ``unless``: no row to insert (so no takeover either) while key ``:unless`` is held.
+
+    ``lean``: the common case's statement, which grants only a row no waiter has
+    reserved (:func:`_lean_free`) and so needs no reservation bookkeeping; it
+    returns nothing wherever the full one might decide otherwise (then the full one
+    is sent: :meth:`Store.grant <taskguard.store.Store.grant>`)."""
     now = fl.now
     # A key someone holds is refused by a read: without this pre-check the upsert
     # would lock the live row to evaluate its takeover condition, which makes every
@@ -282,14 +287,11 @@ def _acquire(d: Dialect, fl: Flavor, unless: bool = False) -> Any:
     # every grant; the pre-check can only refuse a row that was live or reserved
     # at the statement's start.
     cur = _t.alias("cur")
+    free = _lean_free(fl, cur) if lean else _free(fl, bindparam("owner"), cur)
     taken: Select[Any] = (
         select(literal_column("1"))
         .select_from(cur)
-        .where(
-            cur.c.key == bindparam("key"),
-            cur.c.slot == bindparam("slot"),
-            ~_free(fl, bindparam("owner"), cur),
-        )
+        .where(cur.c.key == bindparam("key"), cur.c.slot == bindparam("slot"), ~free)
     )
     grant_cols = {
         "key": bindparam("key"),
@@ -310,18 +312,20 @@ def _acquire(d: Dialect, fl: Flavor, unless: bool = False) -> Any:
             .exists()
         )
     ins = d.insert(_t).from_select(list(grant_cols), select(*grant_cols.values()).where(*refusals))
+    takeover = {
+        "owner": ins.excluded.owner,
+        "token": d.token_takeover(ins),
+        "acquired_at": ins.excluded.acquired_at,
+        "expires_at": ins.excluded.expires_at,
+        **{col: getattr(ins.excluded, col) for col in HOLDER_COLS},
+    }
+    if not lean:  # an unreserved row has no reservation to use up
+        takeover.update(_used_up(ins.excluded.owner))
     return ins.on_conflict_do_update(
         index_elements=[_t.c.key, _t.c.slot],
-        set_={
-            "owner": ins.excluded.owner,
-            "token": d.token_takeover(ins),
-            "acquired_at": ins.excluded.acquired_at,
-            "expires_at": ins.excluded.expires_at,
-            **{col: getattr(ins.excluded, col) for col in HOLDER_COLS},
-            **_used_up(ins.excluded.owner),
-        },
+        set_=takeover,
         # The takeover condition. NOT index_where (that is the arbiter index predicate).
-        where=_free(fl, ins.excluded.owner),
+        where=_lean_free(fl) if lean else _free(fl, ins.excluded.owner),
     ).returning(_t.c.token, _t.c.acquired_at, _t.c.expires_at)
 
 
@@ -338,7 +342,6 @@ def _with_fields(d: Dialect, fl: Flavor, sql: str) -> str:
         plus_ttl=fl.plus_sql("ttl"),
         plus_mark_ttl=fl.plus_sql("mark_ttl"),
         free_t=free_sql(fl, "t", ":owner"),
-        free_many=free_sql(fl, "cur", "v.owner"),
         free_row=free_sql(fl, "task_locks", "excluded.owner"),
         takeover=TAKEOVER_SET.format(
             token=d.takeover_token_sql,

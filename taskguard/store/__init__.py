@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, Literal
@@ -22,9 +21,9 @@ from sqlalchemy import URL, Engine
 from taskguard.deadline import DEFAULT_CALL_TIMEOUT, bounded
 from taskguard.dialects import Dialect, Statement, lock_sql_for
 from taskguard.exceptions import DatabaseUnavailable, OutcomeUnknown
+from taskguard.keys import new_owner
 from taskguard.lease import Holder, Lease, LockInfo, Marker
 from taskguard.store import infos, reaping
-from taskguard.store.batches import Batches
 from taskguard.store.connections import Executor, create_lock_engine
 from taskguard.store.errors import translate_error
 from taskguard.store.events import EventLog
@@ -45,6 +44,9 @@ log = logging.getLogger("taskguard")
 #: ``renewed``; ``lost`` (the statement found the lease gone); ``gone`` (a read-back
 #: after a broken connection found it no longer ours).
 RenewOutcome = Literal["renewed", "lost", "gone"]
+#: Keys remembered as contended (a lean acquire of theirs was refused), whose
+#: attempts send the full acquire at once; all are forgotten beyond this many.
+CONTENDED_KEYS = 1024
 
 
 class Store:
@@ -77,8 +79,8 @@ class Store:
         self.history = EventLog(self._db, self._sql, self.dialect)
         #: Waiters' announcements and release notifications.
         self.waiters = Waiters(self._db, self._sql, listen_url)
-        #: Many grants in one statement.
-        self.batches = Batches(self._db, self._sql, call_timeout, self._marker_values)
+        #: Keys a lean acquire was refused on (see :meth:`_grant`).
+        self._contended: set[str] = set()
 
     def run(self, stmt: Statement, values: Mapping[str, Any]) -> tuple[list[tuple[Any, ...]], int]:
         """Execute one statement in its own transaction: (rows, affected count)."""
@@ -141,15 +143,27 @@ class Store:
     ) -> tuple[Lease | None, LockInfo | None]:
         key = values["key"]
         sent = time.monotonic()  # the lease's local clock starts here (Lease.confirmed_at)
-        stmt = self._sql.acquire if limit == 1 else self._sql.acquire_slots
+        sql = self._sql
+        stmt, lean = (sql.acquire, sql.acquire_lean) if limit == 1 else (sql.acquire_slots, None)
         unless = values.get("unless")
         if unless is not None:
-            if limit == 1 and self._sql.acquire_unless is not None:
-                stmt = self._sql.acquire_unless
+            if limit == 1 and sql.acquire_unless is not None:
+                stmt, lean = sql.acquire_unless, sql.acquire_unless_lean
             elif (marker := self.live_holder(unless)) is not None:
                 return None, (self.live_holder(key) or marker) if limit == 1 else None
+        if key in self._contended:
+            lean = None
         try:
-            rows, _ = self.run(stmt, values)
+            # The lean acquire grants in the common case (no waiter, no refusal); when
+            # it grants nothing the full one decides (and reads the holder), and the
+            # key's next attempts go to the full one at once.
+            rows = self.run(lean, values)[0] if lean is not None else []
+            if not rows:
+                if lean is not None:
+                    if len(self._contended) >= CONTENDED_KEYS:
+                        self._contended.clear()  # forgotten: the lean one goes first again
+                    self._contended.add(key)
+                rows, _ = self.run(stmt, values)
         except (OutcomeUnknown, DatabaseUnavailable) as exc:
             if isinstance(exc, OutcomeUnknown) or not exc.statement_sent:
                 raise  # nothing reached the server: certainly not granted
@@ -166,10 +180,8 @@ class Store:
                 raise OutcomeUnknown(
                     f"connection to {self.url} broke again while retrying the acquire of "
                     f"{key!r}; owner {values['owner']} may hold it until its ttl ends",
-                    key,
-                    values["owner"],
-                    self.url,
-                ) from again
+                    key, values["owner"], self.url,
+                ) from again  # fmt: skip
         seen = self.dialect.holders(rows) if limit == 1 else []
         rows = self.dialect.granted(rows, values["owner"], limit > 1)
         if limit > 1:
@@ -205,10 +217,8 @@ class Store:
             raise OutcomeUnknown(
                 f"connection to {self.url} broke while acquiring {key!r} and the outcome "
                 f"could not be read back; owner {owner} may hold it until its ttl ends",
-                key,
-                owner,
-                self.url,
-            ) from cause
+                key, owner, self.url,
+            ) from cause  # fmt: skip
         if info is not None and info.held:
             # Seen is not durable: the grant may be committed on this server only (its
             # wait for a synchronous standby cut short). A no-op write by the owner
@@ -221,10 +231,8 @@ class Store:
                 raise OutcomeUnknown(
                     f"connection to {self.url} broke while confirming the acquire of {key!r}; "
                     f"owner {owner} may hold it until its ttl ends",
-                    key,
-                    owner,
-                    self.url,
-                ) from cause
+                    key, owner, self.url,
+                ) from cause  # fmt: skip
             if rows:
                 token, acquired_at, expires_at = rows[0]
                 log.warning("acquire of %r committed before the connection broke; keeping it", key)
@@ -272,7 +280,7 @@ class Store:
     def _marker_values(self, marker: Marker) -> dict[str, Any]:
         return {
             "mark_key": marker.key,
-            "mark_owner": uuid.uuid4().hex,
+            "mark_owner": new_owner(),
             "mark_ttl": self._secs(marker.ttl),
             "task_name": marker.holder.task_name,
             "task_id": marker.holder.task_id,
@@ -281,7 +289,7 @@ class Store:
         }
 
     def _take_marker(self, marker: Marker) -> None:
-        values = self.grant_values(marker.key, 0, uuid.uuid4().hex, marker.ttl, marker.holder)
+        values = self.grant_values(marker.key, 0, new_owner(), marker.ttl, marker.holder)
         self.grant(values, 1, marker.ttl, 0.0)
 
     @bounded
@@ -362,10 +370,8 @@ class Store:
             latest = f" (lease expires by {by.isoformat()} at the latest)" if by else ""
             raise OutcomeUnknown(
                 f"connection to {self.url} broke while {doing} {key!r}; outcome unknown{latest}",
-                key,
-                owner,
-                self.url,
-            ) from cause
+                key, owner, self.url,
+            ) from cause  # fmt: skip
 
     # -- reading rows ----------------------------------------------------------------
 

@@ -20,7 +20,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from sqlalchemy import URL, Engine, create_engine, event
@@ -193,12 +193,6 @@ class Executor:
             return self._on_cursor(_execute_either, stmt, values, self.dialect.prepares)
         return self._on_cursor(_execute, stmt, stmt.params(values), values)
 
-    def run_many(self, stmt: Statement, values: Sequence[Mapping[str, Any]]) -> list[int]:
-        """Execute one statement once per item of ``values``, pipelined (the dialect's
-        ``pipelines``): one round trip and one transaction, every execution with the
-        statement's own prepared plan. Returns each execution's affected row count."""
-        return self._on_cursor(_execute_many, stmt, [stmt.params(v) for v in values])
-
     def _on_cursor(self, work: Callable[..., _T], *args: Any) -> _T:
         deadline = current_deadline()
         if deadline is not None and time.monotonic() >= deadline:
@@ -320,14 +314,6 @@ def _execute_either(
     if not prepares(cur) and stmt.unprepared is not None:
         stmt = stmt.unprepared
     return _execute(cur, stmt, stmt.params(values), values)
-
-
-def _execute_many(cur: Any, stmt: Statement, params: list[Any]) -> list[int]:
-    cur.executemany(stmt.sql, params, returning=True)
-    counts = [int(cur.rowcount)]
-    while cur.nextset():
-        counts.append(int(cur.rowcount))
-    return counts
 
 
 def _give_back(conn: Any) -> None:

@@ -1,13 +1,15 @@
-"""SLOW (about 15-40 s): runs ``scripts/bench.py --quick`` end to end.
+"""SLOW (about 30-60 s): runs ``scripts/bench.py --quick`` end to end.
 
 The benchmark's figures are not asserted (they depend on the machine and its load);
-this checks that every section runs against the real services and that every row
-is reported, either with figures or with the reason it was not run.
+this checks that every section runs against the real services (section 7 against
+the private PostgreSQL and Redis servers it starts) and that every row is
+reported, either with figures or with the reason it was not run.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,11 +26,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.celery]
 def _expected_rows() -> list[str]:
     sys.path.insert(0, str(SCRIPTS))
     try:
-        from benchlib import contention, e2e, pairs, refusals, scale, storm
+        from benchlib import contention, e2e, pairs, refusals, scale, split, storm
     finally:
         sys.path.remove(str(SCRIPTS))
     return [
-        row.id for mod in (pairs, contention, scale, e2e, storm, refusals) for row in mod.rows()
+        row.id
+        for mod in (pairs, contention, scale, e2e, storm, refusals, split)
+        for row in mod.rows()
     ]
 
 
@@ -64,6 +68,11 @@ def test_quick_benchmark_reports_every_row(tmp_path: Path) -> None:
             assert row["rate"] is not None and row["rate"] > 0, row
         assert row["label"] in proc.stdout, f"row {row['id']} missing from the printed table"
     assert {t["target"] for t in data["targets"]} and all("met" in t for t in data["targets"])
+    # The deployment-shaped section (its own servers on one core, clients on the other)
+    # must run wherever there are two cores to split.
+    if len(os.sched_getaffinity(0)) >= 2:
+        split = [r for r in rows if r["id"].startswith("split.")]
+        assert split and all(r["status"] == "ok" for r in split), split
     meta = data["meta"]
     assert (
         meta["quick"] is True and meta["machine"]["cores"] and meta["postgresql"]["server_version"]

@@ -77,3 +77,24 @@ def test_a_delivery_of_a_queued_message(app: Celery, lock: str, statements: int)
     with pytest.raises(Ignore):
         _deliver(job, header, "tid")
     assert ran == [1]
+
+
+def test_a_run_phase_delivery_sends_two_statements(app: Celery) -> None:
+    """lock="run": the pool process's lean acquire (refused while the task id's
+    finished record is held) and its release, which takes that record."""
+    ran: list[int] = []
+
+    @guarded_task(app=app, shared=False, key="r", ttl=30, lock="run")
+    def job() -> None:
+        ran.append(1)
+
+    sql = guard_for(app)._store._sql
+    sent = _deliver(job, {"v": 1, "key": "r", "via": "enqueue"}, "tid-run")
+    assert ran == [1]
+    assert sql.acquire_unless_lean is not None and sql.release_marking is not None
+    assert sent == [sql.acquire_unless_lean.sql, sql.release_marking.sql]
+    # A second delivery of the finished task id: the lean acquire grants nothing (the
+    # record is held), the full one reads the record as the holder: dropped, not run.
+    with pytest.raises(Ignore):
+        _deliver(job, {"v": 1, "key": "r", "via": "enqueue"}, "tid-run")
+    assert ran == [1]

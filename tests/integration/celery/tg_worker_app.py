@@ -156,11 +156,6 @@ def make_app(broker_url: str, result_backend: str | None, queue: str, database_u
     )
     if os.environ.get("TASKGUARD_TEST_CALL_TIMEOUT"):
         app.conf.taskguard_call_timeout = float(os.environ["TASKGUARD_TEST_CALL_TIMEOUT"])
-    if os.environ.get("TASKGUARD_TEST_PREFETCH_GRANTS") == "0":
-        app.conf.taskguard_prefetch_grants = False
-    multiplier = os.environ.get("TASKGUARD_TEST_PREFETCH_MULTIPLIER")
-    if multiplier:
-        app.conf.worker_prefetch_multiplier = int(multiplier)
     retention = os.environ.get("TASKGUARD_TEST_FINISHED_RETENTION")
     if retention:
         app.conf.taskguard_finished_retention = float(retention)
