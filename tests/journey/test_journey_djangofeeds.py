@@ -6,7 +6,7 @@ fresh virtualenv (the README's install line), on SQLite, PostgreSQL and MariaDB:
   workers as the README says: ``celery -A feedsite worker -Q djangofeeds`` and
   ``python manage.py import_feeds --no-worker``;
 - MariaDB: the same with ``DJANGOFEEDS_DATABASE=mysql://...``, i.e. Django's
-  ``django.db.backends.mysql`` ENGINE (after ``pip install -e "../..[mysql]"``,
+  ``django.db.backends.mysql`` ENGINE (after the README's MariaDB install line,
   the extra docs/mariadb.md names);
 
 each followed by ``python manage.py taskguard explain`` for one feed: acquired and
@@ -38,11 +38,18 @@ OK = "OK: every feed was imported by one worker at a time"
 FEED_KEY = "feed:https://example.com/feeds/0.rss"
 
 
+def _installs() -> list[str]:
+    """The README's install-from-a-checkout lines: the page's own, then MariaDB's."""
+    text = EXAMPLE_README.read_text()
+    install = [line for line in text.split("`") if line.startswith("pip install -e ")]
+    assert len(install) == 2 and "mysql" in install[1], install
+    return install
+
+
 def _commands() -> tuple[str, str, str]:
     """The README's install line, its embedded-default command and its PostgreSQL one."""
     text = EXAMPLE_README.read_text()
-    install = [line for line in text.split("`") if line.startswith("pip install -e ")]
-    assert len(install) == 1, "the README's install-from-a-checkout line"
+    install = _installs()
     runs = [" ".join(commands(b.source)) for b in blocks(EXAMPLE_README, text)]
     assert runs[0] == "python manage.py import_feeds", runs
     assert README_PG in runs[1] and runs[1].endswith("python manage.py import_feeds"), runs
@@ -122,7 +129,7 @@ def test_postgresql_with_redis(example: tuple[UserVenv, Path]) -> None:
 
 def test_mariadb_with_the_mysql_engine(example: tuple[UserVenv, Path]) -> None:
     env, here = example
-    env.must('pip install -e "../..[mysql]"', cwd=here)
+    env.must(_installs()[1], cwd=here)
     _, _, postgres = _commands()
     page = _page(env, here, README_MARIADB, Service("maria"))
     try:
