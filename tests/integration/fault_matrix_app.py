@@ -23,6 +23,7 @@ from typing import Any
 
 import psycopg
 from celery import Celery
+from integration.celery.workers import worker_settings
 
 from taskguard import LeaseLost, check_lease, current_lease, guarded_task
 
@@ -105,17 +106,16 @@ def work(task: Any, k: str, n: int) -> dict[str, Any]:
 def make_app(broker: str, backend: str, queue: str, lock_url: str) -> Celery:
     app = Celery("fault_matrix", set_as_current=False)
     app.conf.update(
-        broker_url=broker,
-        result_backend=backend,
-        task_default_queue=queue,
-        result_expires=600,
-        worker_prefetch_multiplier=1,
-        broker_connection_retry_on_startup=True,
-        task_acks_late=True,
-        task_reject_on_worker_lost=True,
-        taskguard_database_url=lock_url,
-        taskguard_call_timeout=3.0,
-        taskguard_engine_options={"pool_size": 2, "max_overflow": 3},
+        worker_settings(
+            broker,
+            backend,
+            queue,
+            lock_url,
+            task_acks_late=True,
+            task_reject_on_worker_lost=True,
+            taskguard_call_timeout=3.0,
+            taskguard_engine_options={"pool_size": 2, "max_overflow": 3},
+        )
     )
     common: dict[str, Any] = {
         "app": app,

@@ -313,41 +313,29 @@ def test_a_frozen_database_declares_the_loss_before_its_expiry() -> None:
     assert got.checked_lost < got.granted_sent and got.interrupted < got.granted_sent
 
 
-def test_opening_a_connection_ends_by_the_call_timeout(pg_url: str) -> None:
+@pytest.mark.parametrize(
+    ("database", "default_port", "call_timeout"),
+    # mysqlclient's connect_timeout is whole seconds; libpq's has a 2 s floor.
+    [("pg_url", 5432, 1.0), ("maria_url", 3306, 0.5)],
+)
+def test_opening_a_connection_ends_by_the_call_timeout(
+    request: pytest.FixtureRequest, database: str, default_port: int, call_timeout: float
+) -> None:
     """A host that accepts connections and never answers (the proxy frozen): opening
-    a connection for a lease operation ends by its call_timeout, not by libpq's
-    connect_timeout (10 s); and a call_timeout under libpq's 2 s floor still
+    a connection for a lease operation ends by its call_timeout, not by the driver's
+    connect_timeout (libpq: 10 s); and a call_timeout under the driver's floor still
     connects to a database that answers."""
-    port = make_url(pg_url).port or 5432
-    with FaultProxy(port) as proxy:
+    url = make_url(request.getfixturevalue(database))
+    with FaultProxy(url.port or default_port) as proxy:
         proxy.freeze()
-        guard = TaskGuard(make_url(pg_url).set(port=proxy.port), call_timeout=1.0)
+        guard = TaskGuard(url.set(port=proxy.port), call_timeout=call_timeout)
         try:
             t0 = time.monotonic()
             with pytest.raises(DatabaseUnavailable) as info:
                 guard.acquire("unanswered", 30)
             took = time.monotonic() - t0
             assert not info.value.statement_sent
-            assert took < 1.0 + SLACK, took
-            proxy.thaw()
-            assert guard.acquire("unanswered", 30) is not None
-        finally:
-            guard.dispose()
-
-
-def test_opening_a_mariadb_connection_ends_by_the_call_timeout(maria_url: str) -> None:
-    """The same through mysqlclient, whose connect_timeout is whole seconds."""
-    port = make_url(maria_url).port or 3306
-    with FaultProxy(port) as proxy:
-        proxy.freeze()
-        guard = TaskGuard(make_url(maria_url).set(port=proxy.port), call_timeout=0.5)
-        try:
-            t0 = time.monotonic()
-            with pytest.raises(DatabaseUnavailable) as info:
-                guard.acquire("unanswered", 30)
-            took = time.monotonic() - t0
-            assert not info.value.statement_sent
-            assert took < 0.5 + SLACK, took
+            assert took < call_timeout + SLACK, took
             proxy.thaw()
             with call_limit(5.0):
                 assert guard.acquire("unanswered", 30) is not None

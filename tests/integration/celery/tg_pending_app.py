@@ -16,6 +16,7 @@ from typing import Any
 import psycopg
 from celery import Celery
 from tg_worker_app import libpq_url
+from workers import worker_settings
 
 from taskguard import guarded_task
 
@@ -60,15 +61,9 @@ def make_app(
 ) -> Celery:
     """The app (tasks registered) for these settings."""
     app = Celery("tg_pending_app", set_as_current=False)
+    # taskguard_history: the rate test reads the slots' grants by the database clock.
     app.conf.update(
-        broker_url=broker_url,
-        result_backend=result_backend,
-        task_default_queue=queue,
-        result_expires=600,
-        worker_prefetch_multiplier=1,
-        broker_connection_retry_on_startup=True,
-        taskguard_database_url=database_url,
-        taskguard_history=True,  # the rate test reads the slots' grants by the database clock
+        worker_settings(broker_url, result_backend, queue, database_url, taskguard_history=True)
     )
 
     @guarded_task(

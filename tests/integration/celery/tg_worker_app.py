@@ -18,6 +18,7 @@ from typing import Any
 import psycopg
 from celery import Celery
 from sqlalchemy.engine import make_url
+from workers import worker_settings
 
 from taskguard import current_lease, guarded_task
 
@@ -145,14 +146,13 @@ def make_app(broker_url: str, result_backend: str | None, queue: str, database_u
     """The app (tasks registered) for these settings."""
     app = Celery("tg_worker_app", set_as_current=False)
     app.conf.update(
-        broker_url=broker_url,
-        result_backend=result_backend,
-        task_default_queue=queue,
-        result_expires=600,
-        worker_prefetch_multiplier=1,
-        broker_connection_retry_on_startup=True,
-        taskguard_database_url=database_url,
-        taskguard_engine_options={"pool_size": 2, "max_overflow": 3},
+        worker_settings(
+            broker_url,
+            result_backend,
+            queue,
+            database_url,
+            taskguard_engine_options={"pool_size": 2, "max_overflow": 3},
+        )
     )
     if os.environ.get("TASKGUARD_TEST_CALL_TIMEOUT"):
         app.conf.taskguard_call_timeout = float(os.environ["TASKGUARD_TEST_CALL_TIMEOUT"])

@@ -30,6 +30,7 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from kombu import Connection
 
@@ -40,6 +41,23 @@ TESTS = HERE.parents[1]
 START_TIMEOUT = 90.0
 #: How long a warm shutdown may take before the group is killed.
 STOP_TIMEOUT = 20.0
+
+
+def worker_settings(
+    broker_url: str, result_backend: str | None, queue: str, database_url: str, **more: Any
+) -> dict[str, Any]:
+    """The settings every test worker app shares (one message at a time per pool
+    process, its own queue and lock database), plus ``more``."""
+    return {
+        "broker_url": broker_url,
+        "result_backend": result_backend,
+        "task_default_queue": queue,
+        "result_expires": 600,
+        "worker_prefetch_multiplier": 1,
+        "broker_connection_retry_on_startup": True,
+        "taskguard_database_url": database_url,
+        **more,
+    }
 
 
 def unique_queue(prefix: str = "tg") -> str:

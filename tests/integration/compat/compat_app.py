@@ -16,6 +16,7 @@ from typing import Any
 from celery import Celery, signals
 from celery_once import QueueOnce
 from celery_singleton import Singleton, clear_locks
+from integration.celery.workers import worker_settings
 
 
 def make_app(broker_url: str, result_backend: str | None, queue: str, database_url: str) -> Celery:
@@ -23,13 +24,7 @@ def make_app(broker_url: str, result_backend: str | None, queue: str, database_u
     makes it by default."""
     app = Celery("compat_app")
     app.conf.update(
-        broker_url=broker_url,
-        result_backend=result_backend,
-        task_default_queue=queue,
-        result_expires=600,
-        worker_prefetch_multiplier=1,
-        broker_connection_retry_on_startup=True,
-        taskguard_database_url=database_url,
+        worker_settings(broker_url, result_backend, queue, database_url),
         # The switch, as docs/migrating-from-celery-*.md give it:
         ONCE={
             "backend": "taskguard.compat.celery_once.Backend",
