@@ -10,6 +10,7 @@ A guarded task whose lock cannot be established does not run (fail closed).
 
 from __future__ import annotations
 
+import os
 import pickle
 import sys
 import threading
@@ -292,7 +293,14 @@ def outage_env(pg_template: str) -> Iterator[OutageEnv]:
     try:
         with FaultProxy(port) as proxy:
             proxied = make_url(url).set(port=proxy.port).render_as_string(hide_password=False)
-            app.conf.update(taskguard_database_url=proxied, taskguard_outage_retry_for=3.0)
+            app.conf.update(
+                taskguard_database_url=proxied,
+                taskguard_outage_retry_for=3.0,
+                # The memory:// broker is one per process: a queue of its own, so this
+                # worker (which Celery 5.3's test helper may leave consuming after the
+                # module) never takes another test's messages.
+                task_default_queue=f"tg-outage-{os.getpid()}",
+            )
             app.ran = []  # type: ignore[attr-defined]
             app.tokens = []  # type: ignore[attr-defined]
 
