@@ -64,14 +64,14 @@ def scratch_database(kind: str) -> Iterator[str]:
             schema.upgrade(url)
             yield url
         return
-    sys.path.insert(0, str(REPO / "tests"))
-    import conftest  # the test suite's scratch-database helpers
+    sys.path.insert(0, str(REPO))
+    from tests import services  # the test suite's scratch databases
 
     create, drop = {
-        "postgresql": (conftest.new_pg_database, conftest.drop_pg_database),
-        "mariadb": (conftest.new_maria_database, conftest.drop_maria_database),
+        "postgresql": (services.new_pg_database, services.drop_pg_database),
+        "mariadb": (services.new_maria_database, services.drop_maria_database),
     }[kind]
-    url = create(None)
+    url = create("tgpeer")
     try:
         schema.upgrade(url)
         yield url

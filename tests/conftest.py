@@ -19,33 +19,25 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import psycopg
 import pytest
 from sqlalchemy.engine import make_url
 
 from taskguard import TaskGuard, schema
-
-PG_URL = os.environ.get(
-    "TASKGUARD_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+from tests import services
+from tests.services import (  # the service URLs and admin connections live there
+    AMQP_URL,
+    MARIADB_URL,
+    PG_URL,
+    REDIS_URL,
+    drop_maria_database,
+    drop_pg_database,
+    maria_admin,
+    pg_admin,
 )
-MARIADB_URL = os.environ.get(
-    "TASKGUARD_TEST_MARIADB_URL", "mysql+mysqldb://root@127.0.0.1:3306/test?charset=utf8mb4"
-)
-REDIS_URL = os.environ.get("TASKGUARD_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-AMQP_URL = os.environ.get("TASKGUARD_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 
-
-def _libpq(url: str, database: str | None = None) -> str:
-    u = make_url(url)
-    if database is not None:
-        u = u.set(database=database)
-    return u.set(drivername="postgresql").render_as_string(hide_password=False)
-
-
-def _admin() -> psycopg.Connection[tuple[object, ...]]:
-    return psycopg.connect(_libpq(PG_URL), autocommit=True, connect_timeout=5)
+__all__ = ["AMQP_URL", "REDIS_URL", "drop_maria_database", "drop_pg_database", "new_pg_database"]
 
 
 def _template_name() -> str:
@@ -57,7 +49,7 @@ def _template_name() -> str:
 def pg_template() -> Iterator[str]:
     """Name of a migrated template database (created once per test session)."""
     try:
-        admin = _admin()
+        admin = pg_admin()
     except psycopg.OperationalError as exc:
         if os.environ.get("TASKGUARD_ALLOW_NO_PG") == "1":
             pytest.skip(f"PostgreSQL unreachable at {PG_URL}: {exc}")
@@ -72,25 +64,13 @@ def pg_template() -> Iterator[str]:
         admin.execute(f'CREATE DATABASE "{name}"')
     schema.upgrade(make_url(PG_URL).set(database=name))
     yield name
-    with _admin() as admin:
+    with pg_admin() as admin:
         admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def new_pg_database(template: str | None) -> str:
     """Create a fresh database (a clone of ``template`` or empty); returns its URL."""
-    name = f"tg_{uuid.uuid4().hex[:12]}"
-    with _admin() as admin:
-        if template:
-            admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
-        else:
-            admin.execute(f'CREATE DATABASE "{name}"')
-    return make_url(PG_URL).set(database=name).render_as_string(hide_password=False)
-
-
-def drop_pg_database(url: str) -> None:
-    name = make_url(url).database
-    with _admin() as admin:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    return services.new_pg_database("tg", template)
 
 
 @pytest.fixture
@@ -147,20 +127,6 @@ def pg_guard(pg_url: str) -> Iterator[TaskGuard]:
     g.dispose()
 
 
-def _maria_admin() -> Any:
-    import MySQLdb
-
-    u = make_url(MARIADB_URL)
-    return MySQLdb.connect(
-        host=u.host or "127.0.0.1",
-        port=u.port or 3306,
-        user=u.username or "root",
-        password=u.password or "",
-        autocommit=True,
-        connect_timeout=5,
-    )
-
-
 def _maria_url(database: str) -> str:
     return make_url(MARIADB_URL).set(database=database).render_as_string(hide_password=False)
 
@@ -169,7 +135,7 @@ def _maria_url(database: str) -> str:
 def maria_template() -> Iterator[str]:
     """Name of a migrated MariaDB template database (created once per test session)."""
     try:
-        admin = _maria_admin()
+        admin = maria_admin()
     except Exception as exc:
         if os.environ.get("TASKGUARD_ALLOW_NO_MARIADB") == "1":
             pytest.skip(f"MariaDB unreachable at {MARIADB_URL}: {exc}")
@@ -191,7 +157,7 @@ def maria_template() -> Iterator[str]:
 def new_maria_database(template: str | None) -> str:
     """Create a fresh MariaDB database (a copy of ``template``'s objects, or empty); its URL."""
     name = f"tg_{uuid.uuid4().hex[:12]}"
-    admin = _maria_admin()
+    admin = maria_admin()
     try:
         cur = admin.cursor()
         cur.execute(f"CREATE DATABASE `{name}`")
@@ -220,14 +186,6 @@ def new_maria_database(template: str | None) -> str:
     finally:
         admin.close()
     return _maria_url(name)
-
-
-def drop_maria_database(url: str) -> None:
-    admin = _maria_admin()
-    try:
-        admin.cursor().execute(f"DROP DATABASE IF EXISTS `{make_url(url).database}`")
-    finally:
-        admin.close()
 
 
 @pytest.fixture

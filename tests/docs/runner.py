@@ -36,7 +36,7 @@ from typing import IO, Any
 
 from sqlalchemy.engine import make_url
 
-from tests.docs import services
+from tests import services
 from tests.docs.blocks import REPO, Block
 
 CHILD = Path(__file__).with_name("child.py")

@@ -15,9 +15,9 @@ import time
 
 import psycopg
 import pytest
-from conftest import _libpq
 
 from taskguard import Lease, Marker, TaskGuard
+from tests.services import libpq as _libpq
 
 pytestmark = pytest.mark.postgres
 

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from conftest import PG_URL, _libpq
+
+from tests.services import PG_URL
+from tests.services import libpq as _libpq
 
 USER_TESTS = textwrap.dedent(
     """

@@ -18,12 +18,12 @@ from tests.docs.blocks import REPO, Block
 from tests.docs.pages import PAGE_PG, PAGES, SHOP
 from tests.docs.plugin import runs
 from tests.docs.runner import BACKGROUND, Page
-from tests.docs.services import redis_db
+from tests.services import redis_db
 
 pytestmark = [pytest.mark.journey, pytest.mark.celery, pytest.mark.postgres]
 
 ALEMBIC = REPO / "docs" / "alembic.md"
-#: tests/docs/services.py: this journey's Redis database
+#: tests/services.py: this journey's Redis database
 JOURNEY_REDIS = 9
 FEED = "https://example.com/feeds/news.rss"
 

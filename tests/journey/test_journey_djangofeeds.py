@@ -30,7 +30,7 @@ from tests.journey.venvs import UserVenv, checkout
 pytestmark = [pytest.mark.journey, pytest.mark.celery, pytest.mark.timeout(900)]
 
 EXAMPLE_README = REPO / "examples" / "djangofeeds" / "README.md"
-#: tests/docs/services.py: this journey's Redis database
+#: tests/services.py: this journey's Redis database
 JOURNEY_REDIS = 8
 README_PG = "postgresql://postgres@127.0.0.1:5432/djangofeeds"
 README_MARIADB = "mysql://root@127.0.0.1:3306/djangofeeds"

@@ -26,13 +26,13 @@ from tests.docs.blocks import REPO, Block, blocks
 from tests.docs.pages import PAGES
 from tests.docs.plugin import runs
 from tests.docs.runner import Page, Service
-from tests.docs.services import redis_db
 from tests.journey.venvs import UserVenv, checkout
+from tests.services import redis_db
 
 pytestmark = [pytest.mark.journey, pytest.mark.celery, pytest.mark.timeout(900)]
 
 README = REPO / "README.md"
-#: tests/docs/services.py: the journeys' Redis database
+#: tests/services.py: the journeys' Redis database
 JOURNEY_REDIS = 10
 
 

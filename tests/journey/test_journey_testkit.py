@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.docs.services import PG_URL
 from tests.journey.venvs import NOT_INHERITED
+from tests.services import PG_URL
 
 pytestmark = [pytest.mark.journey]
 

@@ -22,15 +22,16 @@ import uuid
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parents[1])]
+sys.path[:0] = [str(HERE), str(HERE.parents[2])]
 
 import psycopg  # noqa: E402
-from conftest import PG_URL, REDIS_URL, _admin  # noqa: E402
 from sqlalchemy.engine import make_url  # noqa: E402
 from tg_worker_app import RUNS_DDL, libpq_url, make_app  # noqa: E402
 from workers import start_worker, unique_queue  # noqa: E402
 
 from taskguard import schema  # noqa: E402
+from tests.services import PG_URL, REDIS_URL  # noqa: E402
+from tests.services import pg_admin as _admin  # noqa: E402
 
 
 def main() -> int:

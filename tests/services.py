@@ -1,8 +1,9 @@
-"""The test services the docs and journey tests use, and throwaway databases on them.
+"""The test services (their URLs from the environment, with local defaults), admin
+connections to them, and throwaway databases: for the suite (tests/conftest.py),
+the docs' blocks (tests/docs) and the journeys (tests/journey).
 
-The URLs are the ones tests/conftest.py reads (same environment variables, same
-defaults); Redis databases are fixed per user of them so that no two workers
-consuming Celery's default queue ``celery`` can meet:
+Redis databases are fixed per user of them so that no two workers consuming
+Celery's default queue ``celery`` can meet:
 
      8  tests/journey/test_journey_djangofeeds.py
      9  tests/journey/test_journey_alembic.py
@@ -29,6 +30,7 @@ MARIADB_URL = os.environ.get(
     "TASKGUARD_TEST_MARIADB_URL", "mysql+mysqldb://root@127.0.0.1:3306/test?charset=utf8mb4"
 )
 REDIS_URL = os.environ.get("TASKGUARD_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+AMQP_URL = os.environ.get("TASKGUARD_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 
 
 def redis_db(number: int) -> str:
@@ -44,25 +46,35 @@ def redis_db(number: int) -> str:
     return url
 
 
-def _pg_admin() -> psycopg.Connection[Any]:
-    libpq = make_url(PG_URL).set(drivername="postgresql").render_as_string(hide_password=False)
-    return psycopg.connect(libpq, autocommit=True, connect_timeout=10)
+def libpq(url: str, database: str | None = None) -> str:
+    """``url`` (optionally on another ``database``) as a libpq connection string."""
+    u = make_url(url)
+    if database is not None:
+        u = u.set(database=database)
+    return u.set(drivername="postgresql").render_as_string(hide_password=False)
 
 
-def new_pg_database(prefix: str = "tgdoc") -> str:
-    """An empty PostgreSQL database; its URL (``postgresql+psycopg://``)."""
+def pg_admin() -> psycopg.Connection[Any]:
+    """An autocommit connection to the test PostgreSQL server."""
+    return psycopg.connect(libpq(PG_URL), autocommit=True, connect_timeout=10)
+
+
+def new_pg_database(prefix: str = "tgdoc", template: str | None = None) -> str:
+    """A new PostgreSQL database (empty, or a clone of ``template``); its URL
+    (``postgresql+psycopg://``)."""
     name = f"{prefix}_{uuid.uuid4().hex[:12]}"
-    with _pg_admin() as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
+    with pg_admin() as admin:
+        admin.execute(f'CREATE DATABASE "{name}"' + (f' TEMPLATE "{template}"' if template else ""))
     return make_url(PG_URL).set(database=name).render_as_string(hide_password=False)
 
 
 def drop_pg_database(url: str) -> None:
-    with _pg_admin() as admin:
+    with pg_admin() as admin:
         admin.execute(f'DROP DATABASE IF EXISTS "{make_url(url).database}" WITH (FORCE)')
 
 
-def _maria_admin() -> Any:
+def maria_admin() -> Any:
+    """An autocommit connection to the test MariaDB server (mysqlclient)."""
     import MySQLdb
 
     u = make_url(MARIADB_URL)
@@ -79,7 +91,7 @@ def _maria_admin() -> Any:
 def new_maria_database(prefix: str = "tgdoc") -> str:
     """An empty MariaDB database; its URL (``mysql+mysqldb://``)."""
     name = f"{prefix}_{uuid.uuid4().hex[:12]}"
-    admin = _maria_admin()
+    admin = maria_admin()
     try:
         admin.cursor().execute(f"CREATE DATABASE `{name}`")
     finally:
@@ -88,7 +100,7 @@ def new_maria_database(prefix: str = "tgdoc") -> str:
 
 
 def drop_maria_database(url: str) -> None:
-    admin = _maria_admin()
+    admin = maria_admin()
     try:
         admin.cursor().execute(f"DROP DATABASE IF EXISTS `{make_url(url).database}`")
     finally:
