@@ -12,17 +12,12 @@ import sys
 import venv
 from pathlib import Path
 
+from tests.docs import runner
+
 REPO = Path(__file__).resolve().parents[2]
-#: Environment variables of the test run that a newcomer's shell would not have.
-NOT_INHERITED = (
-    "TASKGUARD_DATABASE_URL",
-    "TASKGUARD_LOCKING",
-    "TASKGUARD_TEST_SERVER",
-    "DJANGO_SETTINGS_MODULE",
-    "PYTHONPATH",
-    "VIRTUAL_ENV",
-    "PYTEST_ADDOPTS",
-)
+#: Environment variables of the test run that a newcomer's shell would not have: a
+#: docs reader's, and not the test run's virtualenv or pytest options either.
+NOT_INHERITED = (*runner.NOT_INHERITED, "VIRTUAL_ENV", "PYTEST_ADDOPTS")
 
 
 def checkout(dest: Path) -> Path:
