@@ -51,6 +51,10 @@ class Backend:
                     "(taskguard never waits without a limit)"
                 )
             self._wait = float(wait)
+        try:
+            self.guard  # noqa: B018 - a wrong URL (celery-once's redis:// left in) fails here
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"ONCE settings url: {exc}") from None
 
     @property
     def guard(self) -> TaskGuard:

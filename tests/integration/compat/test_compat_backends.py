@@ -185,6 +185,15 @@ def test_singleton_clear_takes_the_prefix_literally(app: Celery, db_url: str) ->
     assert [k for k in keys if backend.get(k)] == keys[2:6]
 
 
+def test_once_a_redis_url_left_in_its_settings_is_refused_naming_them(
+    app: Celery, db_url: str
+) -> None:
+    """celery-once's Redis backend reads the same settings key: a redis:// URL left
+    there is refused when the backend is made, naming the ONCE setting."""
+    with pytest.raises(ConfigurationError, match=r"^ONCE settings url: .*redis"):
+        OnceBackend({"url": "redis://127.0.0.1:6379/0"})
+
+
 def test_singleton_url_falls_back_to_the_taskguard_database(app: Celery, db_url: str) -> None:
     """Without singleton_backend_url celery-singleton passes the broker's URL."""
     app.conf.singleton_backend_url = None
