@@ -7,6 +7,7 @@ Celery app (see :mod:`taskguard.cli.celery`).
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -95,13 +96,10 @@ def show(
     Exit code 1 when KEY has no row at all (with --json, a JSON error object too)."""
     with open_guard(ctx, database_url) as guard:
         infos = guard.get_all(key)
-
-        def held(prefix: str) -> list[LockInfo]:
-            return guard.held(prefix, companions=True)
-
-        companions = describe_companions(key, held)  # [coalesce/rate/debounce]
+        rows = companion_rows(key, functools.partial(guard.held, companions=True))
+        companions = describe_companions(key, lambda _prefix: rows)  # [coalesce/rate/debounce]
         if show_all and infos:
-            infos += companion_rows(key, held)
+            infos += rows
     if not infos:
         fail(
             f"no lock row for {key!r} (never locked, or reaped after it expired)",

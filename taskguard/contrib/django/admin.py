@@ -48,7 +48,8 @@ class _PrintableValues(admin.SimpleListFilter):
     field = ""
 
     def lookups(self, request: Any, model_admin: Any) -> list[tuple[str, str]]:
-        values = model_admin.get_queryset(request).values_list(self.field, flat=True)
+        # order_by(): the model's ordering would make DISTINCT run over every row.
+        values = model_admin.get_queryset(request).order_by().values_list(self.field, flat=True)
         found = sorted({v for v in values.distinct() if v is not None})
         return [(v, printable(v)) for v in found]
 
