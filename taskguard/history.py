@@ -129,6 +129,9 @@ def story(events: list[LockEvent]) -> list[LockEvent]:
     without release (see the module docstring)."""
     events = with_holders(events)
     released = {(e.slot, e.owner) for e in events if e.event in RELEASED}
+    # A holder that recorded its lease lost before the next grant saw it end (it
+    # expired): not taken over. Recorded after that grant: taken over from it.
+    lost = {(e.slot, e.owner): e.at for e in events if e.event == "lost"}
     grants: dict[int, list[tuple[int, LockEvent]]] = {}
     for e in events:
         if e.event == "acquired" and e.token is not None:
@@ -142,6 +145,8 @@ def story(events: list[LockEvent]) -> list[LockEvent]:
             if (prev.slot, prev.owner) in released or at == len(tokens):
                 continue
             nxt = slot_grants[at][1]
+            if lost.get((prev.slot, prev.owner), nxt.at) < nxt.at:
+                continue
             before.setdefault(nxt.id, []).append(
                 replace(
                     prev,
