@@ -71,20 +71,26 @@ def take_over(
     holder) when another delivery of this task id has it; or (None, False, None) when
     the hand-off lapsed (it expired while queued). One statement when it is adopted."""
     stored_id = stored_task_id(request.id)
-    lease = guard.adopt(
-        key,
-        str(handed.get("owner")),
-        ttl,
-        slot=int(handed.get("slot", 0)),
-        min_hold=float(handed.get("min_hold", 0)) or None,
-        exclusive=True,
-        task_name=task.name,
-        task_id=stored_id,
-        hostname=request.hostname,
-    )
-    if lease is not None:
-        signals.lock_acquired.send(sender=task, key=key, lease=lease)
-        return lease, False, None
+    # "alternate": a copy published for an outage whose hand-off's outcome was unknown
+    # (taskguard.celery.outage) may hold the key under either owner id.
+    owners = [str(handed.get("owner"))]
+    if handed.get("alternate"):
+        owners.append(str(handed["alternate"]))
+    for owner in owners:
+        lease = guard.adopt(
+            key,
+            owner,
+            ttl,
+            slot=int(handed.get("slot", 0)),
+            min_hold=float(handed.get("min_hold", 0)) or None,
+            exclusive=True,
+            task_name=task.name,
+            task_id=stored_id,
+            hostname=request.hostname,
+        )
+        if lease is not None:
+            signals.lock_acquired.send(sender=task, key=key, lease=lease)
+            return lease, False, None
     for info in guard.get_all(key):
         if info.held and info.holder.task_id == stored_id:
             return None, True, info

@@ -11,10 +11,11 @@ without its lock and nothing is dropped: each deferral is logged (WARNING) and s
 as :data:`taskguard.signals.run_deferred` with reason ``"outage"`` (the metric
 ``taskguard_runs_deferred_total{reason="outage"}``).
 
-The copy carries the message's taskguard header on (a handed-over lease, a pending
-place, a debounce batch) and, when an acquire's outcome was unknown, the owner id
-that may hold the key, so the copy adopts that lease rather than waiting for it to
-expire. A body that has started is never run again for this: an error it raises is
+The copy carries the message's taskguard header on (a pending place, a debounce
+batch) and the lease this run may hold, which the copy adopts rather than waiting
+for it to expire: the one it took, when the outage came after that; when an
+acquire's or a hand-off's outcome was unknown, the owner id that may hold the key
+(and the handed owner id as the alternative). A body that has started is never run again for this: an error it raises is
 its own. Eager runs (no broker to hold a countdown) raise the error at once.
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from taskguard.celery.deferral import defer
@@ -30,6 +32,7 @@ from taskguard.celery.header import header_of, message_key
 from taskguard.config import setting
 from taskguard.exceptions import DatabaseUnavailable, OutcomeUnknown
 from taskguard.keys import validate_ttl
+from taskguard.lease import Lease
 
 __all__ = ["FIRST_DELAY", "MAX_DELAY", "body_started", "retry_later"]
 
@@ -41,11 +44,17 @@ MAX_DELAY = 30.0
 #: The header field that carries ``{"since": <epoch seconds>, "n": <deferrals>}``.
 FIELD = "outage"
 _STARTED = "_taskguard_started"
+_HELD = "_taskguard_held"
 
 
 def body_started(request: Any) -> None:
     """Mark ``request``'s body as started: from here on its errors are its own."""
     setattr(request, _STARTED, True)
+
+
+def holding(request: Any, lease: Lease) -> None:
+    """``request``'s run took ``lease`` (its body has not started yet)."""
+    setattr(request, _HELD, lease)
 
 
 def retry_later(task: Any, request: Any, exc: DatabaseUnavailable) -> BaseException:
@@ -81,11 +90,20 @@ def retry_later(task: Any, request: Any, exc: DatabaseUnavailable) -> BaseExcept
     extra = {name: value for name, value in header.items() if name not in ("v", "key", "via")}
     extra["deferred"] = header.get("deferred")  # the copy starts as this message would have
     extra[FIELD] = {"since": since, "n": n + 1}
-    unknown = isinstance(exc, OutcomeUnknown) and exc.key == key and "lease" not in header
-    if unknown and opts.locks_run and opts.limit == 1:
-        # The acquire may have committed: the copy adopts that lease if it did.
-        owner = exc.owner  # type: ignore[attr-defined]
-        extra["lease"] = {"key": key, "owner": owner, "slot": 0, "min_hold": opts.min_hold or 0}
+    held: Lease | None = getattr(request, _HELD, None)
+    if held is not None:
+        extra["lease"] = held.to_dict()
+    elif isinstance(exc, OutcomeUnknown) and exc.key == key and opts.locks_run and opts.limit == 1:
+        # The acquire (or the hand-off) may have committed under exc.owner: the copy
+        # adopts that lease if it did, else the one the message carried.
+        at, ttl = datetime.now(timezone.utc), task._ttl()
+        maybe = Lease(
+            key, exc.owner, 0, at, at + timedelta(seconds=ttl), ttl, 0, opts.min_hold or 0
+        )
+        extra["lease"] = maybe.to_dict()
+        handed = header.get("lease")
+        if isinstance(handed, dict) and handed.get("owner") not in (None, exc.owner):
+            extra["lease"]["alternate"] = handed["owner"]
     log.warning(
         "lock database unreachable before %s[%s] could start (%s); trying again in %.1fs, "
         "for %.0fs more at most",

@@ -92,6 +92,7 @@ def run_guarded(task: Any, request: Any, args: tuple[Any, ...], kwargs: dict[str
             return run_conflict(task, guard, request, key, holder, waited=waited)
         signals.lock_acquired.send(sender=task, key=key, lease=lease)
     run = ActiveRun(guard, key, lease, request)
+    outage.holding(request, lease)  # an outage from here to the body: the copy adopts it
     if opts.rate is not None:  # [rate] count the start, or defer it
         counted, slot = rate.take_start(task, guard, request, key, opts.rate)
         if not counted:

@@ -312,6 +312,27 @@ def outage_env(pg_template: str) -> Iterator[OutageEnv]:
                     raise DatabaseUnavailable("the body's own database is down")
                 return "ran"
 
+            @guarded_task(
+                app=app, shared=False, key="rated:{k}", ttl=30, rate="100/1s", name="outage.rated"
+            )
+            def rated(k: str) -> str:
+                app.ran.append(k)  # type: ignore[attr-defined]
+                app.tokens.append(current_lease().token)  # type: ignore[attr-defined, union-attr]
+                return "ran"
+
+            @guarded_task(
+                app=app,
+                shared=False,
+                key="qr:{k}",
+                ttl=30,
+                lock="queue_and_run",
+                name="outage.queued",
+            )
+            def queued(k: str) -> str:
+                app.ran.append(k)  # type: ignore[attr-defined]
+                app.tokens.append(current_lease().token)  # type: ignore[attr-defined, union-attr]
+                return "ran"
+
             guard = TaskGuard(url)
             with start_test_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
                 yield OutageEnv(app, proxy, guard)
@@ -421,3 +442,54 @@ def test_a_deferred_run_adopts_the_lease_its_unknown_acquire_took(
     assert result.get(timeout=20) == "ran"
     assert time.monotonic() - t0 < 10  # not after the orphan's 30 s ttl
     assert worker_app.tokens == [orphan.token]  # type: ignore[attr-defined]
+
+
+def test_an_outage_after_the_acquire_hands_the_lease_to_the_deferred_copy(
+    worker_app: Celery, outage_env: OutageEnv
+) -> None:
+    """With rate=, the start is counted after the key's lease was taken; the
+    connection breaks there: the deferred copy adopts the run's lease (same token)
+    instead of finding the key held by its own task id until the ttl (30 s)."""
+    proxy = outage_env.proxy
+    fired = proxy.fired["partition"]
+    proxy.arm("partition", b"rated:r#rate")
+    result = worker_app.tasks["outage.rated"].apply_async(("r",))
+    deadline = time.monotonic() + 10
+    while proxy.fired["partition"] == fired and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.3)
+    taken = outage_env.guard.get("rated:r")
+    assert taken is not None and taken.held, "the run's lease was not taken"
+    proxy.refuse = False
+    t0 = time.monotonic()
+    assert result.get(timeout=20) == "ran"
+    assert time.monotonic() - t0 < 10  # not after the lease's 30 s ttl
+    assert worker_app.ran == ["r"]  # type: ignore[attr-defined]
+    assert worker_app.tokens == [taken.token]  # type: ignore[attr-defined]
+
+
+def test_a_deferred_run_adopts_a_hand_off_whose_outcome_was_unknown(
+    worker_app: Celery, outage_env: OutageEnv
+) -> None:
+    """lock="queue_and_run": the worker's adoption of the queued lease committed but
+    its answer was lost (OutcomeUnknown). The deferred copy adopts the lease under
+    the owner id the adoption gave it (same token), instead of finding the key held
+    by its own task id until the ttl (30 s)."""
+    proxy = outage_env.proxy
+    result = worker_app.tasks["outage.queued"].apply_async(("q",), countdown=1)
+    queued = outage_env.guard.get("qr:q")
+    assert queued is not None and queued.held
+    fired = proxy.fired["partition"]
+    proxy.arm("partition", b"qr:q")
+    deadline = time.monotonic() + 10
+    while proxy.fired["partition"] == fired and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.3)
+    adopted = outage_env.guard.get("qr:q")
+    assert adopted is not None and adopted.held and adopted.owner != queued.owner, adopted
+    proxy.refuse = False
+    t0 = time.monotonic()
+    assert result.get(timeout=20) == "ran"
+    assert time.monotonic() - t0 < 10  # not after the lease's 30 s ttl
+    assert worker_app.ran == ["q"]  # type: ignore[attr-defined]
+    assert worker_app.tokens == [queued.token]  # type: ignore[attr-defined]
