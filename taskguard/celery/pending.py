@@ -51,7 +51,7 @@ from taskguard.celery.leasing import (
     lease_from_info,
     release_quietly,
 )
-from taskguard.celery.results import MARKER, answered
+from taskguard.celery.results import MARKER, answered, has_marker
 from taskguard.celery.taskids import stored_task_id
 from taskguard.companions import companion_key
 from taskguard.config import guard_for
@@ -111,8 +111,9 @@ def coalesced_result(
 
 
 def is_coalesced(value: object) -> bool:
-    """Whether ``value`` is the result of a submission merged into a pending run."""
-    return isinstance(value, dict) and value.get(MARKER) == COALESCED
+    """Whether ``value`` is the result of a submission merged into a pending run (a
+    value, or a finished task's ``AsyncResult``: as :func:`~taskguard.is_skipped`)."""
+    return has_marker(value, COALESCED, "is_coalesced")
 
 
 # -- enqueue ------------------------------------------------------------------------------

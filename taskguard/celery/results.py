@@ -43,6 +43,7 @@ __all__ = [
     "MARKER",
     "SKIPPED",
     "answered",
+    "has_marker",
     "in_canvas",
     "is_marker",
     "is_skipped",
@@ -81,6 +82,12 @@ def is_skipped(value: object) -> bool:
     (what ``.delay()`` returns) once the task has finished. An ``AsyncResult`` of a
     task still queued or running cannot tell yet: :class:`~taskguard.InvalidArgument`
     says so (``is_skipped(result.get())`` waits for it)."""
+    return has_marker(value, SKIPPED, "is_skipped")
+
+
+def has_marker(value: object, kind: str, check: str) -> bool:
+    """Whether ``value`` (a value, or a finished task's ``AsyncResult``) is the
+    ``kind`` marker; ``check`` names the public function in the error."""
     if isinstance(value, AsyncResult):
         try:
             state = str(value.state)
@@ -88,13 +95,13 @@ def is_skipped(value: object) -> bool:
             state = "unknown: the app has no result backend"
         if state not in celery_states.READY_STATES:
             raise InvalidArgument(
-                f"is_skipped(): task {value.id} has not finished (state {state}), so "
-                "whether it was skipped is not known yet; pass result.get() to wait for it",
+                f"{check}(): task {value.id} has not finished (state {state}), so "
+                f"whether it was {kind} is not known yet; pass result.get() to wait for it",
                 "value",
                 value,
             )
         value = value.result
-    return isinstance(value, dict) and value.get(MARKER) == SKIPPED
+    return isinstance(value, dict) and value.get(MARKER) == kind
 
 
 def is_marker(value: object) -> bool:

@@ -350,3 +350,30 @@ def test_is_skipped_reads_a_finished_async_result(pg_url: str) -> None:
         InvalidArgument, match=r"has not finished \(state PENDING\).*result\.get\(\)"
     ):
         is_skipped(pending)
+
+
+def test_is_coalesced_reads_a_finished_async_result_as_is_skipped_does(pg_url: str) -> None:
+    """``is_coalesced(t.delay(...))`` was always False (only the value was read)."""
+    from taskguard.celery.pending import is_coalesced, pending_key
+
+    app = Celery("tg_coalesced", set_as_current=False)
+    app.conf.update(taskguard_database_url=pg_url, result_backend="cache+memory://")
+
+    @guarded_task(
+        app=app, shared=False, name="tg.imp", key="feed:{url}", ttl=30, on_conflict="coalesce"
+    )
+    def imp(url: str) -> str:
+        return url
+
+    guard = TaskGuard(pg_url)
+    try:
+        place = guard.acquire(pending_key("feed:a", "tg.imp"), 30, task_id="the-pending-run")
+        assert place is not None
+        merged = imp.delay("a")  # merged into the pending run: answered at once
+        assert is_coalesced(merged) and is_coalesced(merged.get())
+        assert not is_skipped(merged)
+    finally:
+        guard.dispose()
+        reset_guards()
+    with pytest.raises(InvalidArgument, match=r"^is_coalesced\(\): .*has not finished"):
+        is_coalesced(app.AsyncResult("not-finished"))
