@@ -70,20 +70,18 @@ def run_guarded(task: Any, request: Any, args: tuple[Any, ...], kwargs: dict[str
         waiting, covered = pending.claim(task, guard, request, key, header)
         if covered is not None:
             return covered
-    checked = False  # whether the acquire itself refused a finished task id
     handed = header.get("lease")
     if isinstance(handed, dict):
         lease, blocked, holder = handoff.take_over(task, guard, request, key, handed, ttl)
         if blocked:
             return run_conflict(task, guard, request, key, holder, own=True)
         # Adopting the hand-off took it from the owner id in the message, which no
-        # delivery of this task id had taken before: none of them ran, let alone finished.
-        checked = track and lease is not None
+        # delivery of this task id had taken before: none of them ran, let alone
+        # finished. Otherwise the acquire below refuses a finished task id itself.
     if lease is None:
         lease, holder, waited = _acquire(task, guard, request, key, ttl, done)
-        checked = track
         if lease is None:
-            if checked and holder is not None and holder.key == done:
+            if track and holder is not None and holder.key == done:
                 if waiting is not None:  # [coalesce/debounce] not a run that will happen
                     release_quietly(guard, waiting)
                 completions.drop_late_copy(task, request, key)
@@ -102,9 +100,6 @@ def run_guarded(task: Any, request: Any, args: tuple[Any, ...], kwargs: dict[str
     if opts.pending_runs:  # [coalesce/debounce] the next submission becomes pending
         pending.started(guard, waiting)
         debounce.started(guard, header)
-    if track and not checked and completions.is_finished(guard, request.id):
-        finish(task, run)
-        completions.drop_late_copy(task, request, key)
     return _body(task, guard, request, run, args, kwargs, done)
 
 
