@@ -113,7 +113,7 @@ def wait_for(
             if nap > 0:
                 if listener is not None:
                     if listener.wait(key, nap):
-                        due = 0.0  # released: try now
+                        due = 0.0  # released (or the listener broke): try now
                 else:
                     head = any(r[3] == owner for r in rows)
                     cap = RESERVE_GRACE / 4 if head else poll

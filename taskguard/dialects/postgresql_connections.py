@@ -51,6 +51,9 @@ class ReleaseListener:
         self._broken = False
 
     def wait(self, key: str, timeout: float) -> bool:
+        """Whether ``key`` may have been released within ``timeout`` seconds: its
+        release was heard, or (the connection broke) nothing can be heard, so the
+        waiter tries again after a short sleep, as when polling."""
         end = time.monotonic() + timeout
         try:
             while not self._broken and (left := end - time.monotonic()) > 0:
@@ -63,7 +66,7 @@ class ReleaseListener:
             self._broken = True
         if self._broken:
             time.sleep(min(max(end - time.monotonic(), 0.0), POLL))
-        return False
+        return self._broken
 
     def close(self) -> None:
         try:

@@ -90,6 +90,44 @@ def test_waiter_is_woken_within_100ms_of_release_without_polling(pg_url: str) ->
     assert len(sent) - 3 <= 1.5 / RENEW_EVERY + 2, sent
 
 
+def test_a_waiter_whose_listener_breaks_goes_on_polling(pg_url: str) -> None:
+    """The release listener's connection is terminated while a waiter waits: the
+    waiter polls (it used to try only every RECHECK = 5 s), so a release 1 s later
+    hands it the key within about a poll interval."""
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    guard = TaskGuard(pg_url)
+    try:
+        lease = guard.acquire("nolisten", 60)
+        assert lease is not None
+        waiter = ctx.Process(target=_waiter, args=(pg_url, "nolisten", 30.0, out))
+        waiter.start()
+        database = make_url(pg_url).database
+        with psycopg.connect(_libpq(pg_url), autocommit=True) as admin:
+            deadline = time.monotonic() + 20
+            killed = 0
+            while not killed and time.monotonic() < deadline:
+                time.sleep(0.05)
+                killed = len(
+                    admin.execute(
+                        # The listener's last statement is its pooler check, after LISTEN.
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                        " WHERE datname = %s AND query = 'SELECT pg_backend_pid()'",
+                        (database,),
+                    ).fetchall()
+                )
+        assert killed, "the waiter never listened"
+        time.sleep(1.0)
+        released_at = time.time()
+        assert guard.release(lease)
+        kind, granted_at, _ = out.get(timeout=40)
+        waiter.join(timeout=30)
+        assert kind == "granted"
+        assert granted_at - released_at < 2.0, f"granted {granted_at - released_at:.2f}s after"
+    finally:
+        guard.dispose()
+
+
 def test_wait_times_out_and_logs_the_holder(
     guard: TaskGuard, caplog: pytest.LogCaptureFixture
 ) -> None:
