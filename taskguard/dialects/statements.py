@@ -138,8 +138,9 @@ def build_lock_sql(d: Dialect, sa_dialect: SADialect) -> LockSQL:
     )
     lease_cols = (_t.c.token, _t.c.acquired_at, _t.c.expires_at)
     # A release only ends a lease: one lost in a database crash keeps the key taken
-    # until its expiry, never lets two hold it, so it need not wait for durability.
-    # Grants and renewals always wait (they must survive a crash).
+    # until its expiry, never lets two hold it, so it need not wait for durability;
+    # nor need a waiter's place in line (renewed every 0.5 s). Grants and renewals
+    # always wait (they must survive a crash).
     quick = [q] if (q := d.quick_commit()) is not None else []
     held_until = fl.add(_t.c.acquired_at, "hold")
     release = update(_t).where(mine, *quick).values(expires_at=now)
@@ -184,6 +185,7 @@ def build_lock_sql(d: Dialect, sa_dialect: SADialect) -> LockSQL:
             _t.c.slot >= bindparam("first"),
             _t.c.slot < bindparam("n"),
             _t.c.expires_at > fl.grace_ago,
+            *quick,  # a place in line lost in a crash: announced again within 0.5 s
         )
         .values(
             wanted_until=fl.greatest(func.coalesce(_t.c.wanted_until, until), until),
@@ -199,6 +201,7 @@ def build_lock_sql(d: Dialect, sa_dialect: SADialect) -> LockSQL:
             _t.c.key == bindparam("key"),
             _t.c.next_owner == bindparam("owner"),
             _t.c.owner != bindparam("owner"),
+            *quick,
         )
         .values(next_owner=null(), next_since=null(), next_until=null())
     )

@@ -3,7 +3,8 @@
 Grants and renewals must survive a database crash, so they commit durably. A
 release only ends a lease early (lost in a crash, the key stays taken until the
 lease's expiry) and a reap batch only deletes rows that had expired, so both
-commit without waiting (docs/reliability.md). A release that also takes a marker
+commit without waiting (docs/reliability.md), and so do a waiter's announcements of
+its place in line (renewed every 0.5 s). A release that also takes a marker
 (a Celery run's finished record) commits like a release. Counted with pg_stat_wal: a backend
 reports its WAL syncs when it exits, and the WAL writer flushes the asynchronous
 commits in a few syncs of its own.
@@ -80,6 +81,14 @@ def test_grants_and_renewals_wait_for_the_flush_releases_and_reaps_do_not(pg_url
             assert lease is not None
             assert guard.release(lease, marker=Marker(f"done:{attempt}:{i}", 60))
 
+    def places_in_line(guard: TaskGuard) -> None:
+        # A waiter's place in line, taken and given up: renewed every 0.5 s while it
+        # waits, so one lost in a crash is announced again at once.
+        for i in range(N):
+            rows, _ = guard._store.waiters.announce(f"wal:{i}", range(1), "waiter", None, 2.0)
+            assert rows
+            guard._store.waiters.withdraw(f"wal:{i}", "waiter")
+
     def free_keys() -> None:
         helper = TaskGuard(pg_url)
         for lease in leases:
@@ -105,14 +114,16 @@ def test_grants_and_renewals_wait_for_the_flush_releases_and_reaps_do_not(pg_url
     renewals = _syncs_during(pg_url, renew)
     releases = _fewest_syncs(pg_url, fresh_leases, release, N * 0.25)
     reaps = _fewest_syncs(pg_url, expired_rows, reap, N * 0.25)
+    places = _fewest_syncs(pg_url, fresh_leases, places_in_line, N * 0.5)
     # Each pair's grant waits; the release with its marker does not.
     pairs = _fewest_syncs(pg_url, free_keys, release_marking, N * 1.25)
     print(
         f"WAL syncs: grants {grants}, renewals {renewals}, releases {releases}, "
-        f"reaps {reaps}, grant + marking release pairs {pairs}"
+        f"reaps {reaps}, grant + marking release pairs {pairs}, places in line {places}"
     )
     # Each durable commit flushes (a concurrent commit may share a flush: allow a few).
     assert N * 0.8 <= pairs < N * 1.25, pairs
     assert grants >= N * 0.8 and renewals >= N * 0.8, (grants, renewals)
     # Only the WAL writer's periodic flushes (every wal_writer_delay, 200 ms by default).
     assert releases < N * 0.25 and reaps < N * 0.25, (releases, reaps)
+    assert places < N * 0.5, places  # 2 N statements, none waiting for the flush
