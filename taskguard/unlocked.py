@@ -16,13 +16,13 @@ import itertools
 import logging
 import os
 import threading
-import uuid
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from taskguard import config
 from taskguard.guard import ReapResult, TaskGuard
+from taskguard.keys import new_owner
 from taskguard.lease import Attempt, Lease, LockInfo
 
 __all__ = [
@@ -71,7 +71,7 @@ class NoLockGuard:
             token = next(self._tokens)
         return UnlockedLease(
             key=key,
-            owner=owner or uuid.uuid4().hex,
+            owner=owner or new_owner(),
             token=token,
             acquired_at=now,
             expires_at=now + timedelta(seconds=seconds),

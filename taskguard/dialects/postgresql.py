@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from datetime import datetime, timezone
 from typing import Any
 
@@ -361,7 +362,7 @@ class PostgreSQL(Dialect):
         sqlstate = getattr(exc, "sqlstate", None) or getattr(orig, "sqlstate", None)
         low = text.lower()
         if sqlstate is None and "fatal:" in low:  # refused at connect (libpq's text)
-            if "database" in low and "does not exist" in low:
+            if re.search(r'fatal:\s+database ".*" does not exist', low):
                 return ErrorKind.NO_DATABASE
             if "password authentication failed" in low or (
                 "role" in low and "does not exist" in low

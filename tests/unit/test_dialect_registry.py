@@ -113,3 +113,18 @@ def test_nothing_outside_the_dialects_compares_backend_names() -> None:
         if "dialects" not in path.parts and (found := _compares_backend_names(path))
     }
     assert offenders == {}
+
+
+@pytest.mark.parametrize(
+    ("text", "kind"),
+    [
+        ('connection failed: FATAL:  database "nope" does not exist', "NO_DATABASE"),
+        # A role whose name contains "database" is a login problem, not a missing database.
+        ('connection failed: FATAL:  role "database_app" does not exist', "LOGIN"),
+        ('connection failed: FATAL:  password authentication failed for user "a"', "LOGIN"),
+    ],
+)
+def test_postgresql_connect_refusals_are_told_apart(text: str, kind: str) -> None:
+    from taskguard.dialects.base import ErrorKind
+
+    assert dialect_for("postgresql").classify(Exception(text), text) is ErrorKind[kind]
