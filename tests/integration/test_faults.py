@@ -493,3 +493,32 @@ def test_a_deferred_run_adopts_a_hand_off_whose_outcome_was_unknown(
     assert time.monotonic() - t0 < 10  # not after the lease's 30 s ttl
     assert worker_app.ran == ["q"]  # type: ignore[attr-defined]
     assert worker_app.tokens == [queued.token]  # type: ignore[attr-defined]
+
+
+def test_a_deferred_copy_revoked_in_its_countdown_gives_its_lease_back(
+    worker_app: Celery, outage_env: OutageEnv
+) -> None:
+    """The copy of a run whose acquire's outcome was unknown carries the lease that
+    acquire may have taken; revoked while it waits out its countdown, it releases
+    that lease (the lease in its header used to be partial: nothing was released
+    and the key stayed taken until its 30 s ttl)."""
+    proxy = outage_env.proxy
+    fired = proxy.fired["partition"]
+    proxy.arm("partition", b"out:v")
+    result = worker_app.tasks["outage.fetch"].apply_async(("v",))
+    deadline = time.monotonic() + 10
+    while proxy.fired["partition"] == fired and time.monotonic() < deadline:
+        time.sleep(0.02)
+    worker_app.control.revoke(result.id)
+    time.sleep(0.3)
+    orphan = outage_env.guard.get("out:v")
+    assert orphan is not None and orphan.held, "the cut acquire did not commit"
+    proxy.refuse = False
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        info = outage_env.guard.get("out:v")
+        if info is not None and not info.held:
+            break
+        time.sleep(0.1)
+    assert info is not None and not info.held, "the revoked copy kept the lease"
+    assert worker_app.ran == []  # type: ignore[attr-defined]
