@@ -79,10 +79,18 @@ def test_coalesced_chord_members_do_not_hang_the_chord(menv: PendingEnv) -> None
         [member.s(key_id=kid, note=f"n{i}", duration=1.0) for i in range(3)],
         menv.task("tgm.collect").s(),
     )
-    values = sig.apply_async().get(timeout=30)
-    assert values[0] == "n0", values
-    assert all(is_coalesced(v) for v in values[1:]), values
-    assert [r.note for r in runs(menv, kid)] == ["n0"]
+    result = sig.apply_async()
+    values = result.get(timeout=30)
+    # n0 is the pending run and runs for 1 s. n1 and n2, published milliseconds
+    # later, merge into it, or (when n0 had already started and given its pending
+    # place up) one of them becomes the next pending run and the other merges into
+    # that one. Either way every member ends, with its value or the marker.
+    ids = [r.id for r in result.parent.results]
+    ran = [v for v in values if not is_coalesced(v)]
+    assert values[0] == "n0" and len(ran) <= 2, values
+    assert all(v == f"n{i}" or is_coalesced(v) for i, v in enumerate(values)), values
+    assert all(v["into"] in ids for v in values if is_coalesced(v)), values
+    assert [r.note for r in runs(menv, kid)] == ran
 
 
 def test_a_chain_whose_first_link_merges_into_a_pending_run_goes_on(menv: PendingEnv) -> None:
