@@ -15,7 +15,7 @@ import pickle
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -422,6 +422,29 @@ def test_a_body_that_started_is_not_run_again_for_an_outage(worker_app: Celery) 
     assert worker_app.ran == ["c"] and seen == []  # type: ignore[attr-defined]
 
 
+def _cut_next(proxy: FaultProxy, pattern: bytes, then: Callable[[], Any] = lambda: None) -> Any:
+    """Cut the proxied connection at the next statement that names ``pattern`` (after
+    forwarding it: its answer is lost), call ``then()`` and wait until the cut came;
+    ``then()``'s value."""
+    fired = proxy.fired["partition"]
+    proxy.arm("partition", pattern)
+    value = then()
+    deadline = time.monotonic() + 10
+    while proxy.fired["partition"] == fired and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return value
+
+
+def _copy_runs_adopting(proxy: FaultProxy, result: Any, app: Celery, token: int) -> None:
+    """The database answers again: the deferred copy runs within 10 s (not after the
+    lease's 30 s ttl), under the lease it adopted (same token)."""
+    proxy.refuse = False
+    t0 = time.monotonic()
+    assert result.get(timeout=20) == "ran"
+    assert time.monotonic() - t0 < 10
+    assert app.tokens == [token]  # type: ignore[attr-defined]
+
+
 def test_a_deferred_run_adopts_the_lease_its_unknown_acquire_took(
     worker_app: Celery, outage_env: OutageEnv
 ) -> None:
@@ -429,19 +452,11 @@ def test_a_deferred_run_adopts_the_lease_its_unknown_acquire_took(
     (OutcomeUnknown): the deferred copy adopts that lease (same token) instead of
     finding the key held by its own task id until the ttl (30 s) runs out."""
     proxy = outage_env.proxy
-    proxy.arm("partition", b"out:u")
-    result = worker_app.tasks["outage.fetch"].apply_async(("u",))
-    deadline = time.monotonic() + 10
-    while proxy.fired["partition"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    result = _cut_next(proxy, b"out:u", lambda: worker_app.tasks["outage.fetch"].delay("u"))
     time.sleep(0.3)
     orphan = outage_env.guard.get("out:u")
     assert orphan is not None and orphan.held, "the cut acquire did not commit"
-    proxy.refuse = False
-    t0 = time.monotonic()
-    assert result.get(timeout=20) == "ran"
-    assert time.monotonic() - t0 < 10  # not after the orphan's 30 s ttl
-    assert worker_app.tokens == [orphan.token]  # type: ignore[attr-defined]
+    _copy_runs_adopting(proxy, result, worker_app, orphan.token)
 
 
 def test_an_outage_after_the_acquire_hands_the_lease_to_the_deferred_copy(
@@ -451,21 +466,13 @@ def test_an_outage_after_the_acquire_hands_the_lease_to_the_deferred_copy(
     connection breaks there: the deferred copy adopts the run's lease (same token)
     instead of finding the key held by its own task id until the ttl (30 s)."""
     proxy = outage_env.proxy
-    fired = proxy.fired["partition"]
-    proxy.arm("partition", b"rated:r#rate")
-    result = worker_app.tasks["outage.rated"].apply_async(("r",))
-    deadline = time.monotonic() + 10
-    while proxy.fired["partition"] == fired and time.monotonic() < deadline:
-        time.sleep(0.02)
+    rated = worker_app.tasks["outage.rated"]
+    result = _cut_next(proxy, b"rated:r#rate", lambda: rated.delay("r"))
     time.sleep(0.3)
     taken = outage_env.guard.get("rated:r")
     assert taken is not None and taken.held, "the run's lease was not taken"
-    proxy.refuse = False
-    t0 = time.monotonic()
-    assert result.get(timeout=20) == "ran"
-    assert time.monotonic() - t0 < 10  # not after the lease's 30 s ttl
+    _copy_runs_adopting(proxy, result, worker_app, taken.token)
     assert worker_app.ran == ["r"]  # type: ignore[attr-defined]
-    assert worker_app.tokens == [taken.token]  # type: ignore[attr-defined]
 
 
 def test_a_deferred_run_adopts_a_hand_off_whose_outcome_was_unknown(
@@ -479,20 +486,12 @@ def test_a_deferred_run_adopts_a_hand_off_whose_outcome_was_unknown(
     result = worker_app.tasks["outage.queued"].apply_async(("q",), countdown=1)
     queued = outage_env.guard.get("qr:q")
     assert queued is not None and queued.held
-    fired = proxy.fired["partition"]
-    proxy.arm("partition", b"qr:q")
-    deadline = time.monotonic() + 10
-    while proxy.fired["partition"] == fired and time.monotonic() < deadline:
-        time.sleep(0.02)
+    _cut_next(proxy, b"qr:q")  # at the worker's adoption
     time.sleep(0.3)
     adopted = outage_env.guard.get("qr:q")
     assert adopted is not None and adopted.held and adopted.owner != queued.owner, adopted
-    proxy.refuse = False
-    t0 = time.monotonic()
-    assert result.get(timeout=20) == "ran"
-    assert time.monotonic() - t0 < 10  # not after the lease's 30 s ttl
+    _copy_runs_adopting(proxy, result, worker_app, queued.token)
     assert worker_app.ran == ["q"]  # type: ignore[attr-defined]
-    assert worker_app.tokens == [queued.token]  # type: ignore[attr-defined]
 
 
 def test_a_deferred_copy_revoked_in_its_countdown_gives_its_lease_back(
@@ -503,12 +502,7 @@ def test_a_deferred_copy_revoked_in_its_countdown_gives_its_lease_back(
     that lease (the lease in its header used to be partial: nothing was released
     and the key stayed taken until its 30 s ttl)."""
     proxy = outage_env.proxy
-    fired = proxy.fired["partition"]
-    proxy.arm("partition", b"out:v")
-    result = worker_app.tasks["outage.fetch"].apply_async(("v",))
-    deadline = time.monotonic() + 10
-    while proxy.fired["partition"] == fired and time.monotonic() < deadline:
-        time.sleep(0.02)
+    result = _cut_next(proxy, b"out:v", lambda: worker_app.tasks["outage.fetch"].delay("v"))
     worker_app.control.revoke(result.id)
     time.sleep(0.3)
     orphan = outage_env.guard.get("out:v")
