@@ -78,6 +78,10 @@ def _holder(url: str, key: str, ttl: float, conn: Any) -> None:
     conn.recv()  # the fault ended and the contender wrote
     thread.join(30)
     late = write(lease)
+    if late[0] == "error":
+        # Its pooled connection died while the database was cut off (the backends were
+        # terminated first); the pool has dropped it, so the fence now gets its say.
+        late = write(lease)
     beat.stop()
     exit_run(token)
     conn.send(("done", writes, late))
