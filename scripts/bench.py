@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import common, report
 
-SECTIONS = ("pairs", "contention", "scale", "e2e", "storm", "refusals", "split")
+SECTIONS = ("pairs", "contention", "scale", "e2e", "storm", "refusals", "split", "lines")
 DEFAULT_PG = os.environ.get(
     "TASKGUARD_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 )
