@@ -87,11 +87,13 @@ def bounded(method: _F) -> _F:
 
     @functools.wraps(method)
     def within_limit(self: Any, *args: Any, **kwargs: Any) -> Any:
-        token = push_limit(self.call_timeout)
+        # push_limit(), inline: this runs for every lease operation.
+        deadline = min(time.monotonic() + self.call_timeout, _DEADLINE.get() or math.inf)
+        token = _DEADLINE.set(deadline)
         try:
             return method(self, *args, **kwargs)
         finally:
-            pop_limit(token)
+            _DEADLINE.reset(token)
 
     return cast(_F, within_limit)
 
@@ -134,7 +136,10 @@ class _Watchdog:
         self.reset()
 
     def reset(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        # The callers' side takes the plain lock (no Python-level Condition.__enter__ on
+        # every statement); the condition over it wakes the thread.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._active: dict[int, Watch] = {}
         self._wake_at = math.inf
         self._thread: threading.Thread | None = None
@@ -145,12 +150,10 @@ class _Watchdog:
         whichever is sooner. ``fd=None``: nothing to watch (SQLite)."""
         if fd is None or fd < 0:
             return None
-        deadline = time.monotonic() + (DEFAULT_STATEMENT_LIMIT if limit is None else limit)
-        outer = _DEADLINE.get()
-        if outer is not None and outer < deadline:
-            deadline = outer
+        seconds = DEFAULT_STATEMENT_LIMIT if limit is None else limit
+        deadline = min(time.monotonic() + seconds, _DEADLINE.get() or math.inf)
         w = Watch(deadline, fd)
-        with self._cond:
+        with self._lock:
             self._active[id(w)] = w
             if self._thread is None:
                 self._thread = threading.Thread(
@@ -166,7 +169,7 @@ class _Watchdog:
         if w is not None:
             # Under the lock: the thread never shuts a socket down after we left, when
             # the fd may already belong to another connection.
-            with self._cond:
+            with self._lock:
                 self._active.pop(id(w), None)
 
     @contextlib.contextmanager

@@ -11,6 +11,7 @@ import hashlib
 import math
 import os
 from datetime import timedelta
+from typing import Any
 
 from taskguard.exceptions import ConfigurationError, InvalidArgument, InvalidKey, InvalidTTL
 from taskguard.lease import Holder, Marker
@@ -55,6 +56,8 @@ def normalize_key(key: object) -> str:
     Any non-empty ``str`` without NUL and encodable as UTF-8 is accepted. Keys longer
     than :data:`MAX_KEY_LENGTH` characters become ``<prefix>#<sha256 digest>``.
     """
+    if type(key) is str and key.isascii() and 0 < len(key) <= MAX_KEY_LENGTH and "\x00" not in key:
+        return key  # the common case, checked on every lock call: stored as it is
     if not isinstance(key, str):
         raise InvalidKey(f"lock key must be a str, not {type(key).__name__}", key)
     if not key:
@@ -81,6 +84,8 @@ def validate_ttl(ttl: object, *, name: str = "ttl") -> float:
     Accepts int, float or :class:`datetime.timedelta` between :data:`MIN_TTL` and
     :data:`MAX_TTL` seconds.
     """
+    if (type(ttl) is float or type(ttl) is int) and MIN_TTL <= ttl <= MAX_TTL:
+        return float(ttl)  # the common case (NaN fails the comparison)
     if isinstance(ttl, timedelta):
         seconds = ttl.total_seconds()
     elif isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
@@ -106,6 +111,7 @@ def validate_ttl(ttl: object, *, name: str = "ttl") -> float:
 _MAX_DETAIL = 255  # width of task_name / task_id / hostname
 _MAX_PID = 2**31 - 1
 _MAX_SLOT = 2**15 - 1
+_OPTIONAL_TEXT = {str, type(None)}
 
 
 def holder_for(
@@ -147,6 +153,17 @@ def validate_holder(
     task_name: object, task_id: object, hostname: object, pid: object, slot: object
 ) -> None:
     """Refuse holder details the columns cannot store (before any statement is sent)."""
+    texts: Any = (task_name or "", task_id or "", hostname or "")  # str, once types are checked
+    if (
+        {type(task_name), type(task_id), type(hostname)} <= _OPTIONAL_TEXT
+        and max(map(len, texts)) <= _MAX_DETAIL
+        and "".join(texts).isascii()
+        and "\x00" not in "".join(texts)
+        and type(slot) is int
+        and 0 <= slot <= _MAX_SLOT
+        and (pid is None or (type(pid) is int and 0 <= pid <= _MAX_PID))
+    ):
+        return  # the common case (short ASCII text), checked on every acquire
     for name, value in (("task_name", task_name), ("task_id", task_id), ("hostname", hostname)):
         if value is None:
             continue
@@ -197,6 +214,15 @@ def validate_marker(marker: Marker, lease_key: str, hostname: str) -> Marker:
         raise InvalidKey(f"marker key {key!r} is the lease's own key; use another key", key)
     h = marker.holder
     validate_holder(h.task_name, h.task_id, h.hostname, h.pid, 0)
+    ttl = marker.ttl
+    if (
+        key is marker.key
+        and h.hostname
+        and h.pid
+        and type(ttl) is float
+        and MIN_TTL <= ttl <= MAX_TTL
+    ):
+        return marker  # complete already (a Celery run's finished record)
     return Marker(
         key,
         validate_ttl(marker.ttl, name="marker ttl"),

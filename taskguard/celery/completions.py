@@ -25,6 +25,7 @@ may run again, as it always could.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, NoReturn
 
 from celery.exceptions import Ignore, Reject, Retry
@@ -104,11 +105,8 @@ def tracks(task: Any, request: Any) -> bool:
 def marker(task: Any, request: Any, key: str | None = None) -> Marker:
     """The record that ``request.id`` finished (at ``key``, its
     :func:`finished_key` when the caller has it already), taken by the run's release."""
-    return Marker(
-        key or finished_key(request.id),
-        retention(task),
-        Holder(task.name, stored_task_id(request.id), request.hostname),
-    )
+    holder = Holder(task.name, stored_task_id(request.id), request.hostname, os.getpid())
+    return Marker(key or finished_key(request.id), retention(task), holder)
 
 
 def record_finished(guard: TaskGuard, task: Any, request: Any) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 from celery.utils import uuid
 
 from taskguard.celery import pending
-from taskguard.celery.header import HEADER
+from taskguard.celery.header import HEADER, Header
 from taskguard.celery.leasing import (
     acquire_or_holder,
     clamp_ttl,
@@ -61,7 +61,7 @@ def publish_debounced(
     guard = guard_for(task._get_app())
     queue_ttl = task._queue_ttl()
     countdown = float(opts.debounce)
-    header: dict[str, Any] = {"v": 1, "key": key, "via": "enqueue"}
+    batch_dict = None
     if opts.debounce_max is not None:
         cap = float(opts.debounce_max)
         details = {"task_name": task.name, "task_id": stored_task_id(task_id)}
@@ -75,15 +75,14 @@ def publish_debounced(
             batch = lease_from_info(info)
         countdown = max(0.0, min(countdown, left))
         if batch is not None:
-            header["debounce"] = {"batch": batch.to_dict()}
+            batch_dict = {"batch": batch.to_dict()}
     lease, holder = pending.take_place(
         task, guard, key, task_id, clamp_ttl(countdown + queue_ttl), replace=True
     )
     if lease is None and holder is not None:  # lost three races to newer submissions
         return pending.merged(task, send, key, task_id, holder, args, kwargs, headers, options)
-    if lease is not None:
-        header["pending"] = lease.to_dict()
-    headers[HEADER] = header
+    pending_dict = lease.to_dict() if lease is not None else None
+    headers[HEADER] = Header(key, pending=pending_dict, debounce=batch_dict).to_dict()
     options.pop("eta", None)
     options["countdown"] = countdown
     try:
@@ -94,10 +93,10 @@ def publish_debounced(
         raise
 
 
-def started(guard: TaskGuard, header: dict[str, Any]) -> None:
+def started(guard: TaskGuard, header: Header) -> None:
     """A debounced run starts: its batch ends (the next submission starts one)."""
-    value = header.get("debounce")
-    if not isinstance(value, dict) or not isinstance(value.get("batch"), dict):
+    value = header.debounce
+    if value is None or not isinstance(value.get("batch"), dict):
         return
     try:
         batch = Lease.from_dict(value["batch"])

@@ -19,7 +19,7 @@ from typing import Any
 from celery.exceptions import Reject, Retry
 
 from taskguard import signals
-from taskguard.celery.header import HEADER
+from taskguard.celery.header import HEADER, Header
 
 __all__ = ["defer"]
 
@@ -37,8 +37,8 @@ def defer(
     """Publish ``request`` again in ``countdown`` seconds and return the
     :class:`~celery.exceptions.Retry` to raise (so the result shows RETRY, not a
     value). ``reason`` is logged and sent with :data:`taskguard.signals.run_deferred`."""
-    header = {"v": 1, "key": key, "via": "retry", "deferred": reason, **(extra_header or {})}
-    headers = {**(getattr(request, "headers", None) or {}), HEADER: header}
+    header = Header(key, "retry", deferred=reason)._replace(**(extra_header or {}))
+    headers = {**(getattr(request, "headers", None) or {}), HEADER: header.to_dict()}
     sig = task.signature_from_request(
         request, countdown=countdown, retries=request.retries, headers=headers
     )

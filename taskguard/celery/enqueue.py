@@ -23,21 +23,17 @@ from celery.utils import uuid
 
 from taskguard import signals
 from taskguard.celery import debounce, pending
-from taskguard.celery.countdowns import conflict_countdown, publish_delay
-from taskguard.celery.header import HEADER
+from taskguard.celery.countdowns import publish_delay
+from taskguard.celery.header import HEADER, Header
 from taskguard.celery.leasing import (
     acquire_or_holder,
     clamp_ttl,
-    describe_holder,
     held_seconds,
     release_quietly,
     send_released,
 )
-from taskguard.celery.results import answered, in_canvas, skipped_result
-from taskguard.celery.taskids import is_shortened, stored_task_id
+from taskguard.celery.taskids import stored_task_id
 from taskguard.config import guard_for
-from taskguard.exceptions import AlreadyLocked
-from taskguard.lease import LockInfo
 
 __all__ = ["publish"]
 
@@ -58,13 +54,12 @@ def publish(
         # Published by GuardedTask.retry(): carries its own lease (or none).
         return send(args, kwargs, task_id, headers, options)
     key = opts.deriver.derive(args, kwargs)
-    header: dict[str, Any] = {"v": 1, "key": key, "via": "enqueue"}
     if opts.debounce is not None:  # [debounce] publish late, replacing the pending run
         return debounce.publish_debounced(task, send, key, args, kwargs, task_id, headers, options)
-    if opts.on_conflict == "coalesce":  # [coalesce] publish as the pending run, or merge
+    if opts.strategy.pending:  # [coalesce] publish as the pending run, or merge
         return pending.publish_coalesced(task, send, key, args, kwargs, task_id, headers, options)
     if not opts.locks_queue:
-        headers[HEADER] = header
+        headers[HEADER] = Header(key).to_dict()
         return send(args, kwargs, task_id, headers, options)
 
     task_id = task_id or uuid()
@@ -79,10 +74,10 @@ def publish(
         **opts.acquire_options,
     )
     if lease is None:
-        return _conflict(task, send, key, holder, task_id, args, kwargs, headers, options)
+        call = (args, kwargs, headers, options)
+        return opts.strategy.at_enqueue(task, send, key, holder, task_id, call)
     signals.lock_acquired.send(sender=task, key=key, lease=lease)
-    header["lease"] = lease.to_dict()
-    headers[HEADER] = header
+    headers[HEADER] = Header(key, lease=lease.to_dict()).to_dict()
     try:
         return send(args, kwargs, task_id, headers, options)
     except BaseException:
@@ -91,58 +86,3 @@ def publish(
             released = release_quietly(guard, lease)
             send_released(task, lease, released, held_seconds(lease))
         raise
-
-
-def _conflict(
-    task: Any,
-    send: Send,
-    key: str,
-    holder: LockInfo | None,
-    task_id: str,
-    args: Any,
-    kwargs: Any,
-    headers: dict[str, Any],
-    options: dict[str, Any],
-) -> Any:
-    strategy = task.taskguard_options.on_conflict
-    holder_task = holder.holder.task_id if holder is not None else None
-    if strategy == "existing" and (holder_task is None or is_shortened(holder_task)):
-        strategy = "skip"  # no task to point at (e.g. taken with guard.lock())
-    canvas = in_canvas(options)
-    signals.lock_conflict.send(sender=task, key=key, holder=holder, action=strategy)
-    described = describe_holder(holder)
-    if strategy == "raise":
-        log.warning("refused %s[%s]: lock %r is held by %s", task.name, task_id, key, described)
-        raise AlreadyLocked(key, holder)
-    if strategy == "existing" and not canvas:
-        log.warning(
-            "not publishing %s: lock %r is held by %s; returning its result",
-            task.name,
-            key,
-            described,
-        )
-        return task.AsyncResult(holder_task)
-    if strategy == "retry":
-        countdown = conflict_countdown(task.taskguard_options.retry_countdown, holder)
-        log.warning(
-            "deferring %s[%s] by %.1fs: lock %r is held by %s",
-            task.name,
-            task_id,
-            countdown,
-            key,
-            described,
-        )
-        headers[HEADER] = {"v": 1, "key": key, "via": "enqueue", "deferred": True}
-        options.pop("eta", None)
-        options["countdown"] = countdown
-        return send(args, kwargs, task_id, headers, options)
-    value = skipped_result(task=task.name, task_id=task_id, key=key, phase="queue", holder=holder)
-    log.warning(
-        "skipped %s[%s]: lock %r is held by %s%s",
-        task.name,
-        task_id,
-        key,
-        described,
-        "; publishing its skipped marker for the canvas" if canvas else "",
-    )
-    return answered(task, send, key, task_id, value, args, kwargs, headers, options)

@@ -17,6 +17,7 @@ import logging
 from typing import Any
 
 from taskguard import signals
+from taskguard.celery.header import Header
 from taskguard.celery.leasing import (
     acquire_or_holder,
     held_seconds,
@@ -33,19 +34,18 @@ log = logging.getLogger("taskguard.celery")
 
 
 def start_queue_phase(
-    task: Any, guard: TaskGuard, request: Any, key: str, header: dict[str, Any]
+    task: Any, guard: TaskGuard, request: Any, key: str, header: Header
 ) -> tuple[bool, bool, LockInfo | None]:
     """lock="queue" at start: give back the lease carried in the message; a
     deferred message (on_conflict="retry" at enqueue) checks the key is free.
     Returns (first, blocked, holder); ``first``: this call ended the carried lease,
     so no other delivery of the message started before it."""
-    handed = header.get("lease")
-    if isinstance(handed, dict):
-        lease = Lease.from_dict(handed)
+    if header.lease is not None:
+        lease = Lease.from_dict(header.lease)
         released = release_quietly(guard, lease)
         send_released(task, lease, released, held_seconds(lease))
         return released, False, None
-    if not header.get("deferred"):
+    if not header.deferred:
         return False, False, None
     limit = task.taskguard_options.limit
     # No min_hold here: releasing a probe must not start a throttle window.

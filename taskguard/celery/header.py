@@ -1,15 +1,8 @@
 """The ``taskguard`` message header: what travels from the publisher to the worker.
 
-``{"v": 1, "key": <stored lock key>, "via": "enqueue"|"retry",
-"lease": Lease.to_dict() (a lease handed to the worker), "deferred": True
-(published late by on_conflict="retry" at enqueue, or retried after a conflict in
-the worker under lock="queue": the worker checks the key again), "marker": <marker>
-(a canvas member answered at enqueue, skipped or coalesced; the worker returns the
-marker without running)}``.
-[coalesce/debounce/rate] also ``"pending": Lease.to_dict()`` (the key's pending
-place, see taskguard.celery.pending), ``"debounce": {"batch": Lease.to_dict()}``,
-``"polls": n`` (deferrals so far) and ``"deferred": "rate"|"coalesce"`` on a copy
-published by taskguard.celery.deferral.
+:class:`Header` is its one definition; every message taskguard publishes (enqueue,
+a retry, a deferred copy, a canvas member answered at enqueue) writes it with
+:meth:`Header.to_dict`, and a run reads it once with :meth:`Header.of`.
 
 The key is derived once, when the message is published, and every later step
 (the run, a retry, the worker's clean-up after a dead child) uses the carried
@@ -22,42 +15,102 @@ arguments. A carried key that is not a valid key is ignored (derived instead).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
-from taskguard.celery.options import GuardOptions
 from taskguard.exceptions import InvalidKey
 from taskguard.keys import normalize_key
 
-__all__ = ["HEADER", "header_of", "message_key"]
+__all__ = ["HEADER", "Header"]
 
 log = logging.getLogger("taskguard.celery")
 
-#: The message header taskguard's state travels in (see the module docstring).
+#: The message header taskguard's state travels in.
 HEADER = "taskguard"
+#: Version of the header's layout.
+VERSION = 1
 
 
-def header_of(request: Any) -> dict[str, Any]:
-    """taskguard's header from a Celery request/context (worker: an attribute;
-    eager ``apply()``: inside ``request.headers``) or a request dict, or ``{}``."""
-    if isinstance(request, Mapping):
-        value, headers = request.get(HEADER), request.get("headers")
-    else:
-        value = getattr(request, HEADER, None)
-        if type(value) is dict:  # a worker's request, read on every run: no ABC checks
-            return dict(value)
-        headers = getattr(request, "headers", None)
-    if not isinstance(value, Mapping) and isinstance(headers, Mapping):
-        value = headers.get(HEADER)
-    return dict(value) if isinstance(value, Mapping) else {}
+class Header(NamedTuple):
+    """What one message carries for taskguard (every field optional)."""
+
+    #: The stored lock key, derived at publish.
+    key: str | None = None
+    #: ``"enqueue"`` (published by ``apply_async``) or ``"retry"`` (a retry or a
+    #: deferred copy, which carries its own lease or none).
+    via: str = "enqueue"
+    #: A lease handed to the worker (``Lease.to_dict()``): taken at enqueue (queue
+    #: phases), kept across a retry, or held by a run an outage put off.
+    lease: dict[str, Any] | None = None
+    #: Set on a copy published late: ``True`` (on_conflict="retry" at enqueue, or a
+    #: lock="queue" conflict in the worker: the worker checks the key again), or the
+    #: reason of a deferral (``"rate"``, ``"coalesce"``, ``"outage"``).
+    deferred: bool | str | None = None
+    #: A canvas member answered at enqueue (skipped, coalesced): the worker returns it.
+    marker: dict[str, Any] | None = None
+    #: The key's pending place (``Lease.to_dict()``; coalesce, debounce).
+    pending: dict[str, Any] | None = None
+    #: ``{"batch": Lease.to_dict()}``: the debounce batch the run ends.
+    debounce: dict[str, Any] | None = None
+    #: Deferrals of a pending run so far.
+    polls: int = 0
+    #: ``{"since": <epoch seconds>, "n": <deferrals>}`` of a run put off by an outage.
+    outage: dict[str, Any] | None = None
+
+    @classmethod
+    def of(cls, request: Any) -> Header:
+        """The header of a Celery request/context (worker: an attribute; eager
+        ``apply()``: inside ``request.headers``) or a request dict; empty if none."""
+        if isinstance(request, Mapping):
+            value, headers = request.get(HEADER), request.get("headers")
+        else:
+            value = getattr(request, HEADER, None)
+            if type(value) is dict:  # a worker's request, read on every run
+                return cls.from_dict(value)
+            headers = getattr(request, "headers", None)
+        if not isinstance(value, Mapping) and isinstance(headers, Mapping):
+            value = headers.get(HEADER)
+        return cls.from_dict(value) if isinstance(value, Mapping) else _EMPTY
+
+    @classmethod
+    def from_dict(cls, value: Mapping[str, Any]) -> Header:
+        """The header as published (unknown fields ignored, wrong types dropped)."""
+        get = value.get
+        if value.keys() <= _PLAIN:  # the common case: the key alone
+            return cls(get("key"), get("via") or "enqueue")
+        polls = get("polls")
+        lease, marker, pending = _dict(get("lease")), _dict(get("marker")), _dict(get("pending"))
+        polls = polls if type(polls) is int else 0
+        extra = (pending, _dict(get("debounce")), polls, _dict(get("outage")))
+        return cls(get("key"), get("via") or "enqueue", lease, get("deferred"), marker, *extra)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The header as published: the version, the key and the fields set."""
+        out: dict[str, Any] = {"v": VERSION, "key": self.key, "via": self.via}
+        if self.key is None:
+            del out["key"]
+        for name in _OPTIONAL:
+            value = getattr(self, name)
+            if value:
+                out[name] = value
+        return out
+
+    def message_key(self, derive: Callable[[Any, Any], str], args: Any, kwargs: Any) -> str:
+        """The lock key of the message: the one it carries, else ``derive(args,
+        kwargs)`` (the task's key deriver)."""
+        carried = self.key
+        if type(carried) is str and carried:
+            try:
+                return normalize_key(carried)
+            except InvalidKey as exc:
+                log.warning("ignoring the lock key carried in a message: %s", exc)
+        return derive(args, kwargs)
 
 
-def message_key(options: GuardOptions, header: Mapping[str, Any], args: Any, kwargs: Any) -> str:
-    """The lock key of a message: the one it carries, else derived from its arguments."""
-    carried = header.get("key")
-    if isinstance(carried, str) and carried:
-        try:
-            return normalize_key(carried)
-        except InvalidKey as exc:
-            log.warning("ignoring the lock key carried in a message: %s", exc)
-    return options.deriver.derive(args, kwargs)
+_OPTIONAL = ("lease", "deferred", "marker", "pending", "debounce", "polls", "outage")
+_PLAIN = {"v", "key", "via"}
+_EMPTY = Header()
+
+
+def _dict(value: Any) -> dict[str, Any] | None:
+    return value if isinstance(value, dict) else None

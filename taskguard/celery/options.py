@@ -18,6 +18,7 @@ from datetime import timedelta
 from functools import cached_property
 from typing import Any
 
+from taskguard.celery.conflicts import SKIP, STRATEGIES, Strategy, check_options, strategy_named
 from taskguard.celery.keys import KeyDeriver, KeyOption
 from taskguard.celery.rate import Rate, parse_rate
 from taskguard.exceptions import ConfigurationError, InvalidTTL
@@ -40,8 +41,8 @@ __all__ = [
 #: When the lock is held: while the body runs; from enqueue until a worker starts
 #: it; or from enqueue until the body finishes.
 LOCK_PHASES = ("run", "queue", "queue_and_run")
-#: What a submission does when the key is held.
-CONFLICT_STRATEGIES = ("skip", "raise", "retry", "existing", "wait", "coalesce")
+#: What a submission does when the key is held (taskguard.celery.conflicts).
+CONFLICT_STRATEGIES = tuple(STRATEGIES)
 #: Task attribute of option ``name``: ``taskguard_<name>``.
 ATTR_PREFIX = "taskguard_"
 
@@ -183,9 +184,14 @@ class GuardOptions:
         return extra
 
     @cached_property
+    def strategy(self) -> Strategy:
+        """What a conflict does (the unit of ``on_conflict``)."""
+        return STRATEGIES[self.on_conflict]
+
+    @cached_property
     def pending_runs(self) -> bool:
         """[coalesce/debounce] Whether a submission may wait as the key's pending run."""
-        return self.on_conflict == "coalesce" or self.debounce is not None
+        return self.strategy.pending or self.debounce is not None
 
     @cached_property
     def locks_queue(self) -> bool:
@@ -300,42 +306,15 @@ def _check_combinations(task: str, values: Mapping[str, Any]) -> None:
         raise ConfigurationError(
             f"task {task}: lock={lock!r} is not one of {', '.join(map(repr, LOCK_PHASES))}"
         )
-    if on_conflict not in CONFLICT_STRATEGIES:
-        raise ConfigurationError(
-            f"task {task}: on_conflict={on_conflict!r} is not one of "
-            f"{', '.join(map(repr, CONFLICT_STRATEGIES))}"
-        )
-    if on_conflict == "existing" and lock == "run":
-        raise ConfigurationError(
-            f"task {task}: on_conflict='existing' returns the queued holder's result at "
-            "enqueue, so it needs lock='queue' or lock='queue_and_run'"
-        )
+    strategy = strategy_named(task, on_conflict)
+    strategy.check(task, values)
     if values["queue_ttl"] is not None and lock == "run":
         raise ConfigurationError(
             f"task {task}: queue_ttl applies to lock='queue'/'queue_and_run' only"
         )
-    if values["retry_countdown"] is not None and on_conflict != "retry":
-        raise ConfigurationError(
-            f"task {task}: retry_countdown applies to on_conflict='retry' only"
-        )
-    if on_conflict == "wait" and lock != "run":
-        raise ConfigurationError(
-            f"task {task}: on_conflict='wait' blocks a worker until the key is free, "
-            "so it needs lock='run' (publishers never block)"
-        )
-    if values["wait_timeout"] is not None and on_conflict != "wait":
-        raise ConfigurationError(f"task {task}: wait_timeout applies to on_conflict='wait' only")
-    # [coalesce/rate/debounce] combinations
-    if on_conflict == "coalesce" and lock != "run":
-        raise ConfigurationError(
-            f"task {task}: on_conflict='coalesce' keeps one run pending while one runs, "
-            "so it needs lock='run'"
-        )
-    if values["coalesce_replace"] and on_conflict != "coalesce":
-        raise ConfigurationError(
-            f"task {task}: coalesce_replace applies to on_conflict='coalesce' only"
-        )
-    if values["debounce"] is not None and (lock != "run" or on_conflict != "skip"):
+    check_options(task, strategy, values)
+    # [rate/debounce] combinations
+    if values["debounce"] is not None and (lock != "run" or strategy is not SKIP):
         raise ConfigurationError(
             f"task {task}: debounce= decides what a busy key does (the run waits as the "
             "key's pending run), so it needs lock='run' and no on_conflict"

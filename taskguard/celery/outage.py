@@ -28,48 +28,34 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from taskguard.celery.deferral import defer
-from taskguard.celery.header import header_of, message_key
 from taskguard.config import setting
 from taskguard.exceptions import DatabaseUnavailable, OutcomeUnknown
 from taskguard.keys import validate_ttl
 from taskguard.lease import Lease
 
-__all__ = ["FIRST_DELAY", "MAX_DELAY", "body_started", "retry_later"]
+__all__ = ["FIRST_DELAY", "MAX_DELAY", "retry_later"]
 
 log = logging.getLogger("taskguard.celery")
 
 #: First and longest countdown (seconds) of a run put off by an outage.
 FIRST_DELAY = 1.0
 MAX_DELAY = 30.0
-#: The header field that carries ``{"since": <epoch seconds>, "n": <deferrals>}``.
-FIELD = "outage"
-_STARTED = "_taskguard_started"
-_HELD = "_taskguard_held"
 
 
-def body_started(request: Any) -> None:
-    """Mark ``request``'s body as started: from here on its errors are its own."""
-    setattr(request, _STARTED, True)
-
-
-def holding(request: Any, lease: Lease) -> None:
-    """``request``'s run took ``lease`` (its body has not started yet)."""
-    setattr(request, _HELD, lease)
-
-
-def retry_later(task: Any, request: Any, exc: DatabaseUnavailable) -> BaseException:
-    """What to raise for ``exc``: the :class:`~celery.exceptions.Retry` of a copy
-    published with a countdown, or ``exc`` itself (the body had started, an eager
-    run, retries off, or the outage outlasted ``taskguard_outage_retry_for``)."""
-    if getattr(request, _STARTED, False) or request.is_eager:
+def retry_later(run: Any, exc: DatabaseUnavailable) -> BaseException:
+    """What to raise for ``exc``, met by ``run`` (a :class:`~taskguard.celery.running.Run`): the :class:`~celery.exceptions.Retry`
+    of a copy published with a countdown, or ``exc`` itself (the body had started, an
+    eager run, retries off, or the outage outlasted ``taskguard_outage_retry_for``)."""
+    task, request = run.task, run.request
+    if run.body_started or request.is_eager:
         return exc
     value = setting(task._get_app(), "taskguard_outage_retry_for")
     bound = 0.0 if value in (0, None) else validate_ttl(value, name="taskguard_outage_retry_for")
-    header = header_of(request)
-    state = header.get(FIELD)
+    header = run.header
+    state = header.outage
     now = time.time()
     try:
-        since, n = float(state["since"]), int(state["n"])  # type: ignore[index]
+        since, n = float(state["since"]), int(state["n"])
     except (KeyError, TypeError, ValueError):
         since, n = now, 0
     left = since + bound - now
@@ -84,13 +70,14 @@ def retry_later(task: Any, request: Any, exc: DatabaseUnavailable) -> BaseExcept
             exc,
         )
         return exc
-    opts = task.taskguard_options
-    key = message_key(opts, header, request.args or (), request.kwargs or {})
+    opts = run.opts
+    key = run.key or header.message_key(
+        opts.deriver.derive, request.args or (), request.kwargs or {}
+    )
     countdown = min(MAX_DELAY, FIRST_DELAY * 2 ** min(n, 8), left) * random.uniform(0.8, 1.0)
-    extra = {name: value for name, value in header.items() if name not in ("v", "key", "via")}
-    extra["deferred"] = header.get("deferred")  # the copy starts as this message would have
-    extra[FIELD] = {"since": since, "n": n + 1}
-    held: Lease | None = getattr(request, _HELD, None)
+    # The copy starts as this message would have (its deferred flag, pending place, ...).
+    extra = header._replace(key=key, via="retry", outage={"since": since, "n": n + 1})._asdict()
+    held: Lease | None = run.lease
     if held is not None:
         extra["lease"] = held.to_dict()
     elif isinstance(exc, OutcomeUnknown) and exc.key == key and opts.locks_run and opts.limit == 1:
@@ -101,8 +88,8 @@ def retry_later(task: Any, request: Any, exc: DatabaseUnavailable) -> BaseExcept
             key, exc.owner, 0, at, at + timedelta(seconds=ttl), ttl, 0, opts.min_hold or 0
         )
         extra["lease"] = maybe.to_dict()
-        handed = header.get("lease")
-        if isinstance(handed, dict) and handed.get("owner") not in (None, exc.owner):
+        handed = header.lease
+        if handed is not None and handed.get("owner") not in (None, exc.owner):
             extra["lease"]["alternate"] = handed["owner"]
     log.warning(
         "lock database unreachable before %s[%s] could start (%s); trying again in %.1fs, "

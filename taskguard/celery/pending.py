@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -44,7 +43,7 @@ from celery.utils import uuid
 from taskguard import signals
 from taskguard.celery.countdowns import publish_delay
 from taskguard.celery.deferral import defer
-from taskguard.celery.header import HEADER
+from taskguard.celery.header import HEADER, Header
 from taskguard.celery.leasing import (
     acquire_or_holder,
     clamp_ttl,
@@ -137,10 +136,8 @@ def publish_coalesced(
     lease, holder = take_place(task, guard, key, task_id, ttl, replace=opts.coalesce_replace)
     if lease is None and holder is not None:
         return merged(task, send, key, task_id, holder, args, kwargs, headers, options)
-    header: dict[str, Any] = {"v": 1, "key": key, "via": "enqueue"}
-    if lease is not None:
-        header["pending"] = lease.to_dict()
-    headers[HEADER] = header
+    pending = lease.to_dict() if lease is not None else None
+    headers[HEADER] = Header(key, pending=pending).to_dict()
     try:
         return send(args, kwargs, task_id, headers, options)
     except BaseException:
@@ -203,13 +200,13 @@ def _pending_ttl(task: Any, countdown: float = 0.0) -> float:
 
 
 def claim(
-    task: Any, guard: TaskGuard, request: Any, key: str, header: dict[str, Any]
+    task: Any, guard: TaskGuard, request: Any, key: str, header: Header
 ) -> tuple[Lease | None, dict[str, Any] | None]:
     """The pending lease a message carries, renewed: ``(lease, None)``; ``(None,
     marker)`` when a newer submission took the pending place (this message is
     covered by it and must not run); ``(None, None)`` without a pending lease."""
-    handed = header.get("pending")
-    if not isinstance(handed, dict):
+    handed = header.pending
+    if handed is None:
         return None, None
     pkey = pending_key(key, task.name)
     try:
@@ -251,11 +248,11 @@ def _new_pending_owner(guard: TaskGuard, pkey: str, mine: str, row: LockInfo | N
     return row.holder.task_id
 
 
-def give_up(task: Any, header: Mapping[str, Any]) -> None:
+def give_up(task: Any, header: Header) -> None:
     """A pending run that will not run (revoked, or its pool child died) gives its
     place back, so later submissions do not merge into it. Never raises."""
-    handed = header.get("pending")
-    if not isinstance(handed, dict):
+    handed = header.pending
+    if handed is None:
         return
     try:
         lease = Lease.from_dict(handed)
@@ -265,13 +262,10 @@ def give_up(task: Any, header: Mapping[str, Any]) -> None:
         log.exception("could not give up the pending place carried by %s", task.name)
 
 
-def carried(header: dict[str, Any], lease: Lease | None) -> dict[str, Any]:
+def carried(header: Header, lease: Lease | None) -> dict[str, Any]:
     """What a deferred copy of a pending run carries on: its pending lease and
     the debounce batch."""
-    kept = {name: header[name] for name in ("debounce",) if name in header}
-    if lease is not None:
-        kept["pending"] = lease.to_dict()
-    return kept
+    return {"debounce": header.debounce, "pending": lease.to_dict() if lease else None}
 
 
 def started(guard: TaskGuard, lease: Lease | None) -> None:
@@ -287,7 +281,7 @@ def wait_for_key(
     key: str,
     holder: LockInfo | None,
     lease: Lease | None,
-    header: dict[str, Any],
+    header: Header,
 ) -> Any:
     """The key is held: defer as the pending run (returns the Retry to raise), or,
     if another submission is pending already, return the coalesced marker."""
@@ -306,7 +300,7 @@ def wait_for_key(
                 task=task.name, task_id=request.id, key=key, into=into, phase="run"
             )
         lease = got
-    polls = int(header.get("polls", 0)) if isinstance(header.get("polls", 0), int) else 0
+    polls = header.polls
     countdown = min(MAX_POLL, FIRST_POLL * 2**polls)
     if holder is not None:
         countdown = min(countdown, max(holder.expires_in.total_seconds(), 0.0) + 0.05)

@@ -34,7 +34,7 @@ from typing import Any
 from celery import states as celery_states
 from celery.result import AsyncResult, EagerResult
 
-from taskguard.celery.header import HEADER
+from taskguard.celery.header import HEADER, Header
 from taskguard.exceptions import InvalidArgument
 from taskguard.lease import LockInfo
 
@@ -129,7 +129,7 @@ def answered(
     marker ``value`` (see the module docstring); ``send`` is Celery's own publish."""
     if not in_canvas(options):
         return marker_in_hand(task, task_id, value, options)
-    headers[HEADER] = {"v": 1, "key": key, "via": "enqueue", "marker": value}
+    headers[HEADER] = Header(key, marker=value).to_dict()
     return send(args, kwargs, task_id, headers, options)
 
 

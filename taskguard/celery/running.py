@@ -1,12 +1,17 @@
-"""The run side of a guarded task: what :meth:`GuardedTask.__call__` does for every
-execution (worker or eager).
+"""The run side of a guarded task: one :class:`Run` per execution (worker or eager),
+created by :meth:`GuardedTask.__call__`, holding the run's state from admission to
+release.
 
-The lease is taken (or adopted from the message), renewed while the body runs,
-and released in a ``finally`` so every way out (return, exception, Reject,
-Ignore, soft time limit) gives it back exactly once; a ``retry()`` hands it to
+It reads top to bottom: :meth:`Run.execute` admits the message (a canvas member
+answered at enqueue returns its marker; the key; the finished record to check),
+acquires (or adopts the lease the message carries; a conflict goes to
+:meth:`Run.conflict`), starts (rate, pending place), runs the body while the
+lease is renewed, and finishes: the lease is released in a ``finally`` so every
+way out (return, exception, Reject, Ignore, soft time limit) gives it back exactly
+once, with the finished record in the same statement; a ``retry()`` hands it to
 the retry message instead. A copy of a task id that already finished is dropped
-(see :mod:`taskguard.celery.completions`); a canvas member answered at enqueue
-(skipped, coalesced) returns the marker it carries without running.
+(see :mod:`taskguard.celery.completions`). An outage before the body started puts
+the run off (:mod:`taskguard.celery.outage`).
 """
 
 from __future__ import annotations
@@ -17,164 +22,242 @@ from typing import Any
 
 from taskguard import signals
 from taskguard.celery import completions, debounce, handoff, outage, pending, rate
-from taskguard.celery.countdowns import conflict_countdown
+from taskguard.celery.conflicts import RETRY
 from taskguard.celery.deferral import defer
-from taskguard.celery.header import header_of, message_key
+from taskguard.celery.header import Header
 from taskguard.celery.interrupt import Interrupter
-from taskguard.celery.leasing import (
-    acquire_or_holder,
-    describe_holder,
-    release_quietly,
-    send_released,
-)
-from taskguard.celery.renewal import ActiveRun, Heartbeat, enter_run, exit_run
-from taskguard.celery.results import is_marker, skipped_result
+from taskguard.celery.leasing import release_quietly, send_released
+from taskguard.celery.renewal import ActiveRun, Heartbeat, enter_run, exit_run, valid_until
+from taskguard.celery.results import is_marker
 from taskguard.celery.taskids import stored_task_id
 from taskguard.config import guard_for, setting
-from taskguard.exceptions import AlreadyLocked
-from taskguard.guard import TaskGuard
+from taskguard.exceptions import DatabaseUnavailable
 from taskguard.keys import validate_ttl
 from taskguard.lease import Lease, LockInfo, Marker
 
-__all__ = ["finish", "run_guarded"]
+__all__ = ["Run"]
 
 log = logging.getLogger("taskguard.celery")
 
 
-def run_guarded(task: Any, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run ``task``'s body for ``request`` under its lease (see the module docstring)."""
-    opts = task.taskguard_options
-    header = header_of(request)
-    marker = header.get("marker")
-    if is_marker(marker):
-        return marker  # answered at enqueue; published only so the canvas goes on
-    key = message_key(opts, header, args, kwargs)
-    guard = guard_for(task._get_app())
-    track = completions.tracks(task, request)
-    # This run's finished record: refuses the acquire, then rides on the release.
-    done = completions.finished_key(request.id) if track else None
-    if not opts.locks_run:
-        first, blocked, holder = handoff.start_queue_phase(task, guard, request, key, header)
+class Run(ActiveRun):
+    """One execution of a guarded task, from admission to release.
+
+    The held lease's state (``lease``, ``lost``, ``valid_until``, ``handed_over``,
+    ``interrupter``: :class:`~taskguard.celery.holding.ActiveRun`) plus what the run
+    knows about its message: the task, its options, the :class:`Header`, the
+    arguments, the finished record it checks and leaves (``done``), the pending
+    place it holds (``waiting``), whether its body started."""
+
+    __slots__ = ("args", "body_started", "deferred", "done", "header", "kwargs", "opts", "task")
+
+    def __init__(self, task: Any, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]):
+        super().__init__(guard_for(task._get_app()), "", None, request)
+        self.task = task
+        self.opts = task.taskguard_options
+        self.header = Header.of(request)
+        self.args = args
+        self.kwargs = kwargs
+        #: The key of this run's finished record (None: the run keeps none).
+        self.done: str | None = None
+        #: From here on an outage is the body's own error.
+        self.body_started = False
+        #: A lock="queue" conflict retried: the retry checks the key again.
+        self.deferred = False
+
+    # -- the life of a run, in order ----------------------------------------------------
+
+    def execute(self) -> Any:
+        """Admit, acquire, start, run the body, finish."""
+        token = enter_run(self)
+        try:
+            return self._admit()
+        except DatabaseUnavailable as exc:  # before the body started: tried again later
+            raise outage.retry_later(self, exc) from None
+        finally:
+            exit_run(token)
+
+    def _admit(self) -> Any:
+        task, request, header = self.task, self.request, self.header
+        if header.marker is not None and is_marker(header.marker):
+            return header.marker  # answered at enqueue; published only so the canvas goes on
+        self.key = header.message_key(self.opts.deriver.derive, self.args, self.kwargs)
+        if not request.is_eager and completions.retention(task) > 0:
+            # This run's finished record: refuses the acquire, then rides on the release.
+            self.done = completions.finished_key(request.id)
+        if not self.opts.locks_run:
+            return self._queue_phase()
+        return self._acquire()
+
+    def _queue_phase(self) -> Any:
+        """lock="queue": the lease the message carried ends as the run starts."""
+        task, request, key = self.task, self.request, self.key
+        first, blocked, holder = handoff.start_queue_phase(
+            task, self.guard, request, key, self.header
+        )
         # A delivery that ended the queued lease is the first of its message to
         # start: none before it ran, so there is no finished record to read.
-        if track and not first and completions.is_finished(guard, request.id):
+        if self.done is not None and not first and completions.is_finished(self.guard, request.id):
             completions.drop_late_copy(task, request, key)
         if blocked:
-            return run_conflict(task, guard, request, key, holder)
-        return _body(task, guard, request, None, args, kwargs, done)
-    ttl = task._ttl()
-    lease = None
-    # [coalesce/debounce] a pending run first checks it is still the key's pending run.
-    waiting = None
-    if opts.pending_runs:
-        waiting, covered = pending.claim(task, guard, request, key, header)
-        if covered is not None:
-            return covered
-    handed = header.get("lease")
-    if isinstance(handed, dict):
-        lease, blocked, holder = handoff.take_over(task, guard, request, key, handed, ttl)
-        if blocked:
-            return run_conflict(task, guard, request, key, holder, own=True)
-        # Adopting the hand-off took it from the owner id in the message, which no
-        # delivery of this task id had taken before: none of them ran, let alone
-        # finished. Otherwise the acquire below refuses a finished task id itself.
-    if lease is None:
-        lease, holder, waited = _acquire(task, guard, request, key, ttl, done)
+            return self.conflict(holder)
+        return self._body()
+
+    def _acquire(self) -> Any:
+        task, guard, request, key, opts = self.task, self.guard, self.request, self.key, self.opts
+        ttl = task._ttl()
+        lease = None
+        waiting = None  # [coalesce/debounce] the key's pending place this run holds
+        if opts.pending_runs:
+            waiting, covered = pending.claim(task, guard, request, key, self.header)
+            if covered is not None:
+                return covered
+        if self.header.lease is not None:
+            lease, blocked, holder = handoff.take_over(
+                task, guard, request, key, self.header.lease, ttl
+            )
+            if blocked:
+                return self.conflict(holder, own=True)
+            # Adopting the hand-off took it from the owner id in the message, which no
+            # delivery of this task id had taken before: none of them ran, let alone
+            # finished. Otherwise the acquire below refuses a finished task id itself.
         if lease is None:
-            if track and holder is not None and holder.key == done:
-                if waiting is not None:  # [coalesce/debounce] not a run that will happen
-                    release_quietly(guard, waiting)
-                completions.drop_late_copy(task, request, key)
-            if opts.pending_runs and not _own(request, holder):  # [coalesce/debounce]
-                return pending.wait_for_key(task, guard, request, key, holder, waiting, header)
-            return run_conflict(task, guard, request, key, holder, waited=waited)
-        signals.lock_acquired.send(sender=task, key=key, lease=lease)
-    run = ActiveRun(guard, key, lease, request)
-    outage.holding(request, lease)  # an outage from here to the body: the copy adopts it
-    if opts.rate is not None:  # [rate] count the start, or defer it
-        counted, slot = rate.take_start(task, guard, request, key, opts.rate)
-        if not counted:
-            finish(task, run)
-            extra = pending.carried(header, waiting)
-            raise defer(task, request, key, _rate_countdown(slot), "rate", extra)
-    if opts.pending_runs:  # [coalesce/debounce] the next submission becomes pending
-        pending.started(guard, waiting)
-        debounce.started(guard, header)
-    return _body(task, guard, request, run, args, kwargs, done)
+            lease, holder, waited = self._take(ttl)
+            if lease is None:
+                if self.done is not None and holder is not None and holder.key == self.done:
+                    if waiting is not None:  # [coalesce/debounce] not a run that will happen
+                        release_quietly(guard, waiting)
+                    completions.drop_late_copy(task, request, key)
+                if opts.pending_runs and not self._own(holder):
+                    return pending.wait_for_key(
+                        task, guard, request, key, holder, waiting, self.header
+                    )
+                return self.conflict(holder, waited=waited)
+            signals.lock_acquired.send(sender=task, key=key, lease=lease)
+        self.lease = lease  # an outage from here to the body: the copy adopts it
+        self.started = time.monotonic()
+        self.valid_until = valid_until(lease)
+        if opts.rate is not None:  # [rate] count the start, or defer it
+            counted, slot = rate.take_start(task, guard, request, key, opts.rate)
+            if not counted:
+                self.release()
+                extra = pending.carried(self.header, waiting)
+                raise defer(task, request, key, _rate_countdown(slot), "rate", extra)
+        if opts.pending_runs:  # [coalesce/debounce] the next submission becomes pending
+            pending.started(guard, waiting)
+            debounce.started(guard, self.header)
+        return self._body()
 
+    def _take(self, ttl: float) -> tuple[Lease | None, LockInfo | None, float | None]:
+        """The run's lease, or the holder that kept it from us (refused, holder the
+        record, while the finished record is held); with on_conflict="wait" also the
+        seconds waited (one blocking acquire)."""
+        task, request, opts = self.task, self.request, self.opts
+        details = {
+            "task_name": task.name,
+            "task_id": stored_task_id(request.id),
+            "hostname": request.hostname,
+            "unless": self.done,
+            **opts.acquire_options,
+        }
+        if not opts.strategy.waits:
+            # A conflict whose holder released before it could be read is tried again
+            # (the key is likely free now).
+            for _ in range(_ATTEMPTS_WHEN_FREED):
+                attempt = self.guard.try_acquire(self.key, ttl, **details)
+                if attempt.lease is not None or attempt.holder is not None:
+                    break
+            return attempt.lease, attempt.holder, None
+        timeout = opts.wait_timeout
+        if timeout is None:
+            setting_value = setting(task._get_app(), "taskguard_wait_timeout")
+            timeout = validate_ttl(setting_value, name="taskguard_wait_timeout")
+        started = time.monotonic()
+        attempt = self.guard.try_acquire(self.key, ttl, **details, wait=timeout)
+        if attempt.lease is not None:
+            return attempt.lease, None, None
+        return None, attempt.holder, time.monotonic() - started
 
-def _body(
-    task: Any,
-    guard: TaskGuard,
-    request: Any,
-    run: ActiveRun | None,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    done: str | None,
-) -> Any:
-    outage.body_started(request)  # from here on an outage is the body's own error
-    token = enter_run(run) if run is not None else None
-    heartbeat = Heartbeat(run, task, request.id) if run is not None else None
-    if run is not None and task.taskguard_options.stop_on_lease_loss:
-        run.interrupter = Interrupter(task.name).arm()
-    outcome: BaseException | None = None
-    try:
-        if heartbeat is not None:
-            heartbeat.start()
+    def _body(self) -> Any:
+        task = self.task
+        self.body_started = True
+        heartbeat = None
+        if self.lease is not None:
+            heartbeat = Heartbeat(self, task, self.request.id)
+            if self.opts.stop_on_lease_loss:
+                self.interrupter = Interrupter(task.name).arm()
+        outcome: BaseException | None = None
         try:
-            return task.run(*args, **kwargs)
-        except BaseException as exc:
-            outcome = exc
-            raise
+            if heartbeat is not None:
+                heartbeat.start()
+            try:
+                return task.run(*self.args, **self.kwargs)
+            except BaseException as exc:
+                outcome = exc
+                raise
+            finally:
+                if self.interrupter is not None:
+                    self.interrupter.disarm()  # first: nothing may interrupt the clean-up
         finally:
-            if run is not None and run.interrupter is not None:
-                run.interrupter.disarm()  # first: nothing may interrupt the clean-up
-    finally:
-        if heartbeat is not None:
-            heartbeat.stop()
-        if token is not None:
-            exit_run(token)
-        final = done is not None and completions.outcome_is_final(outcome, task)
-        if run is not None and not run.handed_over:
+            if heartbeat is not None:
+                heartbeat.stop()
+            self._finish(outcome)
+
+    def _finish(self, outcome: BaseException | None) -> None:
+        """After the body: release (with the finished record when the run is done for
+        good), unless a retry carries the lease on."""
+        task, request = self.task, self.request
+        final = self.done is not None and completions.outcome_is_final(outcome, task)
+        if self.lease is not None and not self.handed_over:
             # The finished record goes with the release (one statement on PostgreSQL).
-            finish(task, run, completions.marker(task, request, done) if final else None)
-        else:
-            if final:
-                completions.record_finished(guard, task, request)
-            if run is not None:
-                finish(task, run)
+            self.release(completions.marker(task, request, self.done) if final else None)
+            return
+        if final:
+            completions.record_finished(self.guard, task, request)
+        if self.lease is not None:
+            self.release()
+
+    def release(self, marker: Marker | None = None) -> None:
+        """Give back the run's lease (unless a retry carries it on); ``marker`` is
+        taken by the same release."""
+        lease = self.lease
+        assert lease is not None
+        if self.handed_over:
+            log.debug("lock %r kept for the retry of %s", lease.key, self.task.name)
+            return
+        held_for = time.monotonic() - self.started
+        released = release_quietly(self.guard, lease, marker)
+        if not released and self.lost is None:
+            log.warning(
+                "lock %r (owner %s) had expired or been taken over before %s released it",
+                lease.key,
+                lease.owner,
+                self.task.name,
+            )
+        send_released(self.task, lease, released, held_for)
+
+    # -- a held key -------------------------------------------------------------------------
+
+    def _own(self, holder: LockInfo | None) -> bool:
+        return holder is not None and holder.holder.task_id == stored_task_id(self.request.id)
+
+    def conflict(
+        self, holder: LockInfo | None, *, own: bool = False, waited: float | None = None
+    ) -> Any:
+        """Act on a key held at start, per ``on_conflict`` (taskguard.celery.conflicts)."""
+        if self.done is not None and completions.is_finished(self.guard, self.request.id):
+            completions.drop_late_copy(self.task, self.request, self.key)
+        # Another delivery of this very message (broker redelivery) holds it: never
+        # drop or fail it; run it once that copy is done (then it is dropped as a late
+        # copy if that one finished) or its lease ran out.
+        if own or self._own(holder):
+            return RETRY.at_run(self, holder, waited, own=True)
+        return self.opts.strategy.at_run(self, holder, waited)
 
 
-def _acquire(
-    task: Any, guard: TaskGuard, request: Any, key: str, ttl: float, done: str | None
-) -> tuple[Lease | None, LockInfo | None, float | None]:
-    """The run's lease, or the holder that kept it from us (refused, holder the
-    record, while the finished record ``done`` is held); with on_conflict="wait"
-    also the seconds waited (one blocking acquire)."""
-    opts = task.taskguard_options
-    details = {
-        "task_name": task.name,
-        "task_id": stored_task_id(request.id),
-        "hostname": request.hostname,
-        "unless": done,
-        **opts.acquire_options,
-    }
-    if opts.on_conflict != "wait":
-        lease, holder = acquire_or_holder(guard, key, ttl, **details)
-        return lease, holder, None
-    timeout = opts.wait_timeout
-    if timeout is None:
-        setting_value = setting(task._get_app(), "taskguard_wait_timeout")
-        timeout = validate_ttl(setting_value, name="taskguard_wait_timeout")
-    started = time.monotonic()
-    attempt = guard.try_acquire(key, ttl, **details, wait=timeout)
-    if attempt.lease is not None:
-        return attempt.lease, None, None
-    return None, attempt.holder, time.monotonic() - started
-
-
-def _own(request: Any, holder: LockInfo | None) -> bool:
-    return holder is not None and holder.holder.task_id == stored_task_id(request.id)
+#: A conflict whose holder was gone when it was read means the key had just been
+#: released: it is tried again this many times (then reported with holder None).
+_ATTEMPTS_WHEN_FREED = 3
 
 
 def _rate_countdown(slot: LockInfo | None) -> float:
@@ -182,78 +265,3 @@ def _rate_countdown(slot: LockInfo | None) -> float:
     clock too), at least 0.05 s."""
     left = slot.expires_in.total_seconds() if slot is not None else 0.0
     return max(left, 0.0) + 0.05
-
-
-def run_conflict(
-    task: Any,
-    guard: TaskGuard,
-    request: Any,
-    key: str,
-    holder: LockInfo | None,
-    *,
-    own: bool = False,
-    waited: float | None = None,
-) -> Any:
-    """Act on a key held at start: skip, raise, or retry (per ``on_conflict``)."""
-    opts = task.taskguard_options
-    if completions.tracks(task, request) and completions.is_finished(guard, request.id):
-        completions.drop_late_copy(task, request, key)
-    # Another delivery of this very message (broker redelivery) holds it: never
-    # drop or fail it; run it once that copy is done (then it is dropped as a late
-    # copy if that one finished) or its lease ran out.
-    own = own or _own(request, holder)
-    strategy = "retry" if own else opts.on_conflict
-    if strategy in ("existing", "wait"):
-        # A started task has nothing to point the caller at; a wait that timed
-        # out gives up like "skip".
-        strategy = "skip"
-    signals.lock_conflict.send(sender=task, key=key, holder=holder, action=strategy)
-    described = describe_holder(holder)
-    if strategy == "skip":
-        log.warning(
-            "skipped %s[%s]%s: lock %r is held by %s",
-            task.name,
-            request.id,
-            f" after waiting {waited:.1f}s" if waited is not None else "",
-            key,
-            described,
-        )
-        return skipped_result(
-            task=task.name, task_id=request.id, key=key, phase="run", holder=holder
-        )
-    if strategy == "raise":
-        log.warning("refused %s[%s]: lock %r is held by %s", task.name, request.id, key, described)
-        raise AlreadyLocked(key, holder)
-    countdown = conflict_countdown(None if own else opts.retry_countdown, holder)
-    if not opts.locks_run:  # lock="queue": the retry is checked again, like a deferral
-        request.taskguard_deferred = True
-    log.warning(
-        "retrying %s[%s] in %.1fs (%s): lock %r is held by %s",
-        task.name,
-        request.id,
-        countdown,
-        "another delivery of this task id" if own else f"retry {request.retries + 1}",
-        key,
-        described,
-    )
-    raise task.retry(countdown=countdown, exc=AlreadyLocked(key, holder))
-
-
-def finish(task: Any, run: ActiveRun, marker: Marker | None = None) -> None:
-    """Give back the run's lease (unless a retry carries it on); ``marker`` is
-    taken by the same release."""
-    lease = run.lease
-    assert lease is not None
-    held_for = time.monotonic() - run.started
-    if run.handed_over:
-        log.debug("lock %r kept for the retry of %s", lease.key, task.name)
-    else:
-        released = release_quietly(run.guard, lease, marker)
-        if not released and run.lost is None:
-            log.warning(
-                "lock %r (owner %s) had expired or been taken over before %s released it",
-                lease.key,
-                lease.owner,
-                task.name,
-            )
-        send_released(task, lease, released, held_for)

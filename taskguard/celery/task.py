@@ -18,14 +18,14 @@ from celery import Task
 from celery.exceptions import Retry
 from celery.signals import task_revoked
 
-from taskguard.celery import enqueue, outage, running
+from taskguard.celery import enqueue
 from taskguard.celery.countdowns import retry_delay
-from taskguard.celery.header import HEADER, header_of
+from taskguard.celery.header import HEADER, Header
 from taskguard.celery.leasing import clamp_ttl, default_ttl
 from taskguard.celery.options import ATTR_PREFIX, GuardOptions, option_defaults
 from taskguard.celery.renewal import active_run
+from taskguard.celery.running import Run
 from taskguard.celery.worker import release_unstarted
-from taskguard.exceptions import DatabaseUnavailable
 
 __all__ = ["GuardedTask"]
 
@@ -68,7 +68,12 @@ class GuardedTask(Task):  # type: ignore[misc]
         return self.taskguard_options.deriver.derive(args, kwargs)
 
     def _ttl(self) -> float:
-        return default_ttl(self._get_app(), self.taskguard_options.ttl)
+        """The run's lease length (read once per task object, like every setting)."""
+        ttl = self.__dict__.get("_taskguard_ttl")
+        if ttl is None:
+            ttl = default_ttl(self._get_app(), self.taskguard_options.ttl)
+            self.__dict__["_taskguard_ttl"] = ttl
+        return float(ttl)
 
     def _queue_ttl(self) -> float:
         queue_ttl = self.taskguard_options.queue_ttl
@@ -103,18 +108,13 @@ class GuardedTask(Task):  # type: ignore[misc]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request_stack.top
-        if (
-            request is None
-            or request.called_directly
-            or getattr(request, "_taskguard_entered", False)
-        ):
+        if request is None or request.called_directly:
             # A direct call runs the function like plain Python: no lock.
             return super().__call__(*args, **kwargs)
-        request._taskguard_entered = True
-        try:
-            return running.run_guarded(self, request, args, kwargs)
-        except DatabaseUnavailable as exc:  # before the body started: tried again later
-            raise outage.retry_later(self, request, exc) from None
+        run = active_run()
+        if run is not None and run.request is request:  # called again inside its own run
+            return super().__call__(*args, **kwargs)
+        return Run(self, request, args, kwargs).execute()
 
     # -- retry -------------------------------------------------------------------------
 
@@ -133,13 +133,11 @@ class GuardedTask(Task):  # type: ignore[misc]
         is extended to cover the countdown and handed over in the retry message."""
         request = self.request
         run = active_run()
-        mine = run is not None and run.request is request and not request.called_directly
-        header: dict[str, Any] = {"v": 1, "via": "retry"}
-        key = run.key if mine and run is not None else header_of(request).get("key")
-        if key:
-            header["key"] = key
-        if getattr(request, "taskguard_deferred", False):
-            header["deferred"] = True  # a lock="queue" conflict (running.run_conflict)
+        mine = isinstance(run, Run) and run.request is request and not request.called_directly
+        key = run.key if mine and run is not None else Header.of(request).key
+        # deferred: a lock="queue" conflict (Run.conflict); the retry checks the key again.
+        deferred = mine and isinstance(run, Run) and run.deferred
+        handed: dict[str, Any] | None = None
         handing = False
         # throw=False lets the body go on after publishing: no hand-off then; the lease
         # is released at the end and the retried run acquires (waiting for us if need be).
@@ -152,11 +150,12 @@ class GuardedTask(Task):  # type: ignore[misc]
             except Exception as err:  # no hand-off; the retried run acquires afresh
                 log.warning("could not extend lock %r for the retry: %s", lease.key, err)
             if handing:
-                header["lease"] = lease.to_dict()
+                handed = lease.to_dict()
         base_headers = options.pop("headers", None)
         if base_headers is None:
             base_headers = getattr(request, "headers", None) or {}
-        options["headers"] = {**base_headers, HEADER: header}
+        header = Header(key or None, "retry", lease=handed, deferred=deferred or None)
+        options["headers"] = {**base_headers, HEADER: header.to_dict()}
         if handing and run is not None:
             # Before publishing: the retried run may start, adopt and even finish at once.
             run.handed_over = True
@@ -180,7 +179,7 @@ def _on_revoked(
     sender: Any = None, request: Any = None, terminated: bool = False, **_: Any
 ) -> None:
     if isinstance(sender, GuardedTask) and request is not None and not terminated:
-        release_unstarted(sender, request, header_of(request))
+        release_unstarted(sender, request, Header.of(request))
 
 
 task_revoked.connect(_on_revoked, weak=False, dispatch_uid="taskguard.celery.worker.revoked")

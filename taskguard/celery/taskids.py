@@ -23,6 +23,8 @@ _SHORTENED = re.compile(rf"\.\.\.#[0-9a-f]{{{_DIGEST_CHARS}}}\Z")
 
 
 def _fits(task_id: str) -> bool:
+    if task_id.isascii():  # a uuid, the common case
+        return len(task_id) <= MAX_STORED_ID and "\x00" not in task_id
     if len(task_id) > MAX_STORED_ID or "\x00" in task_id:
         return False
     try:

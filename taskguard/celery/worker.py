@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import signal as _signal
 import threading
-from collections.abc import Mapping
 from typing import Any
 
 from celery.exceptions import TimeLimitExceeded, WorkerLostError
@@ -33,7 +32,7 @@ from celery.worker.request import Request
 from kombu.asynchronous import get_event_loop
 
 from taskguard.celery import pending
-from taskguard.celery.header import header_of, message_key
+from taskguard.celery.header import Header
 from taskguard.celery.leasing import (
     held_seconds,
     lease_from_info,
@@ -60,7 +59,7 @@ def release_dead_run(
     task_id: str,
     nodename: str | None,
     pid: int | None,
-    header: Mapping[str, Any],
+    header: Header,
     args: Any,
     kwargs: Any,
     why: str,
@@ -70,7 +69,7 @@ def release_dead_run(
     if pid is None:
         return 0
     try:
-        key = message_key(task.taskguard_options, header, args, kwargs)
+        key = header.message_key(task.taskguard_options.deriver.derive, args, kwargs)
         stored_id = stored_task_id(task_id)
         guard = guard_for(task._get_app())
         count = 0
@@ -103,15 +102,14 @@ def _report(key: str, task: Any, task_id: str, pid: int, nodename: str | None, w
     )
 
 
-def release_unstarted(task: Any, request: Any, header: Mapping[str, Any]) -> None:
+def release_unstarted(task: Any, request: Any, header: Header) -> None:
     """A message discarded before it ran (revoked, expired) gives back the lease it
     carried. Connected to ``task_revoked`` by :mod:`taskguard.celery.task`."""
     pending.give_up(task, header)  # [coalesce] a revoked pending run gives its place back
-    handed = header.get("lease")
-    if not isinstance(handed, dict):
+    if header.lease is None:
         return
     try:
-        lease = Lease.from_dict(handed)
+        lease = Lease.from_dict(header.lease)
         guard = guard_for(task._get_app())
         # By the owner id in the message: a lease another delivery of this task id
         # adopted has an owner id of its own, and is left alone.
@@ -174,7 +172,7 @@ class GuardedRequest(Request):  # type: ignore[misc]
             task_id=self.id,
             nodename=self.hostname,
             pid=self.worker_pid,
-            header=header_of(self.request_dict),
+            header=Header.of(self.request_dict),
             args=self.args,
             kwargs=self.kwargs,
             why=why,

@@ -158,6 +158,11 @@ class Store:
             # it grants nothing the full one decides (and reads the holder), and the
             # key's next attempts go to the full one at once.
             rows = self.run(lean, values)[0] if lean is not None else []
+            if rows:  # the lean acquire granted (the common case): the plain shape
+                token, acquired_at, expires_at = rows[0]
+                at, until = self._conv(acquired_at), self._conv(expires_at)
+                owner, slot = values["owner"], values["slot"]
+                return Lease(key, owner, int(token), at, until, seconds, slot, hold, sent), None
             if not rows:
                 if lean is not None:
                     if len(self._contended) >= CONTENDED_KEYS:

@@ -191,39 +191,63 @@ class Executor:
         """
         if stmt.unprepared is not None:
             return self._on_cursor(_execute_either, stmt, values, self.dialect.prepares)
-        return self._on_cursor(_execute, stmt, stmt.params(values), values)
+        pinned = getattr(self._local, "pinned", None)
+        if pinned is None or pinned.conn is None:
+            return self._on_cursor(_execute, stmt, stmt.params(values), values)
+        # This thread's pinned connection (the common case), inline.
+        deadline = current_deadline()
+        if deadline is not None and time.monotonic() >= deadline:
+            raise self._too_late()
+        watch = watchdog.start(pinned.fd)
+        try:
+            try:
+                return _execute(pinned.cursor, stmt, stmt.params(values), values)
+            finally:
+                watchdog.stop(watch)  # before the connection is dropped: its fd may be reused
+        except Exception as exc:
+            failed = self._failed(exc, pinned, watch)
+            if failed is exc:
+                raise
+            raise failed from exc
+
+    def _too_late(self) -> DatabaseUnavailable:
+        return DatabaseUnavailable(
+            f"time limit for this call reached before a statement to {self.url} was sent",
+            self.url,
+            False,
+        )
+
+    def _failed(self, exc: Exception, pinned: _Pinned, watch: Watch | None) -> Exception:
+        """What a statement's error on the pinned connection becomes (a broken
+        connection is dropped first)."""
+        if not isinstance(exc, self._sa.loaded_dbapi.Error):
+            return exc
+        if (watch is not None and watch.fired) or self._sa.is_disconnect(
+            exc, pinned.conn.dbapi_connection, pinned.cursor
+        ):
+            self._local.pinned = None
+            pinned.drop(exc)
+            self._flush_pool()
+        return self._timed_out(watch) or translate_error(exc, self.url, self.dialect)
 
     def _on_cursor(self, work: Callable[..., _T], *args: Any) -> _T:
         deadline = current_deadline()
         if deadline is not None and time.monotonic() >= deadline:
-            raise DatabaseUnavailable(
-                f"time limit for this call reached before a statement to {self.url} was sent",
-                self.url,
-                False,
-            )
+            raise self._too_late()
         watch: Watch | None = None
         pinned = self._pinned_connection() if self._pin_limit else None
         if pinned is not None:
-            cur = pinned.cursor
-            watch = watchdog.start(self.dialect.socket_of(pinned.conn.dbapi_connection))
+            watch = watchdog.start(pinned.fd)
             try:
                 try:
-                    return work(cur, *args)
+                    return work(pinned.cursor, *args)
                 finally:
-                    # Before the connection is dropped: its fd may be reused at once.
-                    watchdog.stop(watch)
+                    watchdog.stop(watch)  # before the connection is dropped: its fd may be reused
             except Exception as exc:
-                if isinstance(exc, self._sa.loaded_dbapi.Error):
-                    if (watch is not None and watch.fired) or self._sa.is_disconnect(
-                        exc, pinned.conn.dbapi_connection, cur
-                    ):
-                        self._local.pinned = None
-                        pinned.drop(exc)
-                        self._flush_pool()
-                    raise self._timed_out(watch) or translate_error(
-                        exc, self.url, self.dialect
-                    ) from exc
-                raise
+                failed = self._failed(exc, pinned, watch)
+                if failed is exc:
+                    raise
+                raise failed from exc
         with self._serial:
             try:
                 with self._borrow() as conn:
@@ -266,6 +290,9 @@ class Executor:
         pinned: _Pinned | None = getattr(self._local, "pinned", None)
         if pinned is not None and pinned.conn is not None:
             return pinned
+        return self._pin()
+
+    def _pin(self) -> _Pinned | None:
         with self._pin_lock:
             if len(self._pinned) + self._opening >= self._pin_limit:
                 return None  # enough threads pin already: borrow per statement
@@ -278,7 +305,7 @@ class Executor:
         finally:
             with self._pin_lock:
                 self._opening -= 1
-        pinned = _Pinned(conn)
+        pinned = _Pinned(conn, self.dialect.socket_of(conn.dbapi_connection))
         with self._pin_lock:
             self._pinned.add(pinned)
         self._local.pinned = pinned
@@ -325,11 +352,13 @@ class _Pinned:
     """One thread's checked-out connection and cursor. Returned to the pool when the
     thread ends (its thread-local dies), on :meth:`drop`, or on dispose()."""
 
-    __slots__ = ("__weakref__", "_finalizer", "conn", "cursor")
+    __slots__ = ("__weakref__", "_finalizer", "conn", "cursor", "fd")
 
-    def __init__(self, conn: Any) -> None:
+    def __init__(self, conn: Any, fd: int | None) -> None:
         self.conn: Any = conn
         self.cursor = conn.dbapi_connection.cursor()
+        #: The connection's socket (for the statement watchdog), read once.
+        self.fd = fd
         self._finalizer = weakref.finalize(self, _give_back, conn)
         self._finalizer.atexit = False  # a forked child must never close its parent's socket
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from taskguard import Lease, LeaseLost, TaskGuard, signals
-from taskguard.celery import holding, renewal
+from taskguard.celery import renewal
 from taskguard.celery.renewal import (
     ActiveRun,
     Heartbeat,
@@ -202,7 +202,7 @@ def test_the_lease_runs_out_by_the_local_clock_without_the_renewer() -> None:
     token = enter_run(run)
     try:
         assert check_lease() is lease and current_lease() is lease
-        time.sleep(1.0 - holding.MARGIN + 0.05)
+        time.sleep(1.0 - renewal.MARGIN + 0.05)
         with pytest.raises(LeaseLost, match="ran out by this host's clock"):
             check_lease()
         with pytest.raises(LeaseLost):

@@ -96,7 +96,7 @@ def test_install_is_idempotent_and_uninstall_disconnects(task: object) -> None:
 
 def test_nothing_imports_prometheus_unless_asked() -> None:
     code = (
-        "import sys, taskguard, taskguard.reaper, taskguard.cli, taskguard.cli.celery, "
+        "import sys, taskguard, taskguard.celery.reaper, taskguard.cli, taskguard.cli.celery, "
         "taskguard.metrics\n"
         "assert 'prometheus_client' not in sys.modules, 'prometheus_client was imported'\n"
     )

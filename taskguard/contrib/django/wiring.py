@@ -64,7 +64,7 @@ def configure_celery_app(app: Any) -> None:
             changed = True
         if changed and current.get("taskguard_reaper_interval") is not None:
             # The reaper's own finalize hook may have run before this one.
-            from taskguard.reaper import schedule_reaper
+            from taskguard.celery.reaper import schedule_reaper
 
             schedule_reaper(app)
     except ConfigurationError:

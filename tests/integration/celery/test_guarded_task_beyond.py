@@ -15,6 +15,7 @@ from celery import Celery
 from celery._state import _set_task_join_will_block
 
 from taskguard import TaskGuard, current_lease, guarded_task, is_skipped
+from taskguard.celery.header import Header
 from taskguard.celery.worker import release_dead_run
 from taskguard.config import reset_guards
 
@@ -163,7 +164,7 @@ def test_cleanup_after_a_dead_child_keeps_the_window(app: Celery, guard: TaskGua
         task_id="dead-id",
         nodename="node@x",
         pid=4242,
-        header={"key": "feed"},
+        header=Header("feed"),
         args=(),
         kwargs={},
         why="test",

@@ -1,0 +1,279 @@
+"""``on_conflict``: what a submission does when its key is held, one unit per strategy.
+
+Each :class:`Strategy` says which lock phases and options it accepts (checked once,
+when the task is declared), what it does when the key is held at enqueue (a queue
+phase: ``lock="queue"``/``"queue_and_run"``) and when it is held as a worker starts
+the run. The core paths (:mod:`taskguard.celery.enqueue`,
+:mod:`taskguard.celery.running`) ask the task's strategy (``options.strategy``) and
+never compare names: a new strategy is one class here, registered in
+:data:`STRATEGIES`.
+
+Every conflict is logged with the key and its holder and sent as
+:data:`taskguard.signals.lock_conflict` with the action taken. Another delivery of
+the very message holding the key (a broker redelivery) is always retried,
+whatever the strategy (:meth:`Run.conflict <taskguard.celery.running.Run.conflict>`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+from taskguard import signals
+from taskguard.celery.countdowns import conflict_countdown
+from taskguard.celery.header import HEADER, Header
+from taskguard.celery.leasing import describe_holder
+from taskguard.celery.results import answered, in_canvas, skipped_result
+from taskguard.celery.taskids import is_shortened
+from taskguard.exceptions import AlreadyLocked, ConfigurationError
+from taskguard.lease import LockInfo
+
+__all__ = ["RETRY", "SKIP", "STRATEGIES", "Strategy", "check_options", "strategy_named"]
+
+log = logging.getLogger("taskguard.celery")
+
+#: ``send(args, kwargs, task_id, headers, options)``: Celery's own apply_async.
+Send = Callable[[Any, Any, Any, dict[str, Any], dict[str, Any]], Any]
+
+
+class Strategy:
+    """One ``on_conflict`` value (the base class is ``"skip"``)."""
+
+    name: ClassVar[str] = "skip"
+    #: The lock phases it works with, and why it needs them.
+    locks: ClassVar[tuple[str, ...]] = ("run", "queue", "queue_and_run")
+    needs: ClassVar[str] = ""
+    #: Options only it takes (refused with another strategy).
+    options: ClassVar[tuple[str, ...]] = ()
+    #: Its run blocks in one acquire until the key is free (``wait_timeout``).
+    waits: ClassVar[bool] = False
+    #: A busy key keeps one pending run: published as the key's pending run (or
+    #: merged into it) whether or not the key is held (taskguard.celery.pending).
+    pending: ClassVar[bool] = False
+
+    def check(self, task: str, values: Mapping[str, Any]) -> None:
+        """Refuse a lock phase it does not work with (declaration time)."""
+        if values["lock"] not in self.locks:
+            raise ConfigurationError(f"task {task}: on_conflict={self.name!r} {self.needs}")
+
+    def at_enqueue(
+        self,
+        task: Any,
+        send: Send,
+        key: str,
+        holder: LockInfo | None,
+        task_id: str,
+        call: tuple[Any, Any, dict[str, Any], dict[str, Any]],
+    ) -> Any:
+        """The key is held when a queue phase publishes: return what ``apply_async``
+        returns. ``call``: (args, kwargs, headers, options) of the publish."""
+        signals.lock_conflict.send(sender=task, key=key, holder=holder, action=self.name)
+        return _skip_at_enqueue(task, send, key, holder, task_id, call)
+
+    def at_run(self, run: Any, holder: LockInfo | None, waited: float | None) -> Any:
+        """The key is held as the worker starts ``run`` (a
+        :class:`~taskguard.celery.running.Run`): return the run's result, or raise."""
+        task, request, key = run.task, run.request, run.key
+        signals.lock_conflict.send(sender=task, key=key, holder=holder, action="skip")
+        log.warning(
+            "skipped %s[%s]%s: lock %r is held by %s",
+            task.name,
+            request.id,
+            f" after waiting {waited:.1f}s" if waited is not None else "",
+            key,
+            describe_holder(holder),
+        )
+        return skipped_result(
+            task=task.name, task_id=request.id, key=key, phase="run", holder=holder
+        )
+
+
+class Raise(Strategy):
+    """Raise :class:`~taskguard.AlreadyLocked` (from ``apply_async``, or in the run)."""
+
+    name = "raise"
+
+    def at_enqueue(
+        self,
+        task: Any,
+        send: Send,
+        key: str,
+        holder: LockInfo | None,
+        task_id: str,
+        call: tuple[Any, Any, dict[str, Any], dict[str, Any]],
+    ) -> Any:
+        signals.lock_conflict.send(sender=task, key=key, holder=holder, action=self.name)
+        return self._refuse(task, task_id, key, holder)
+
+    def at_run(self, run: Any, holder: LockInfo | None, waited: float | None) -> Any:
+        signals.lock_conflict.send(sender=run.task, key=run.key, holder=holder, action=self.name)
+        return self._refuse(run.task, run.request.id, run.key, holder)
+
+    def _refuse(self, task: Any, task_id: Any, key: str, holder: LockInfo | None) -> Any:
+        described = describe_holder(holder)
+        log.warning("refused %s[%s]: lock %r is held by %s", task.name, task_id, key, described)
+        raise AlreadyLocked(key, holder)
+
+
+class Retry(Strategy):
+    """Try again later: published with a countdown at enqueue; ``Task.retry`` in the
+    run (counted against ``max_retries``). ``retry_countdown``: the countdown
+    (default: until the holder's lease ends, with jitter)."""
+
+    name = "retry"
+    options = ("retry_countdown",)
+
+    def at_enqueue(
+        self,
+        task: Any,
+        send: Send,
+        key: str,
+        holder: LockInfo | None,
+        task_id: str,
+        call: tuple[Any, Any, dict[str, Any], dict[str, Any]],
+    ) -> Any:
+        args, kwargs, headers, options = call
+        signals.lock_conflict.send(sender=task, key=key, holder=holder, action=self.name)
+        countdown = conflict_countdown(task.taskguard_options.retry_countdown, holder)
+        log.warning(
+            "deferring %s[%s] by %.1fs: lock %r is held by %s",
+            task.name,
+            task_id,
+            countdown,
+            key,
+            describe_holder(holder),
+        )
+        headers[HEADER] = Header(key, deferred=True).to_dict()
+        options.pop("eta", None)
+        options["countdown"] = countdown
+        return send(args, kwargs, task_id, headers, options)
+
+    def at_run(
+        self, run: Any, holder: LockInfo | None, waited: float | None, *, own: bool = False
+    ) -> Any:
+        task, request, key, opts = run.task, run.request, run.key, run.opts
+        signals.lock_conflict.send(sender=task, key=key, holder=holder, action=self.name)
+        countdown = conflict_countdown(None if own else opts.retry_countdown, holder)
+        if not opts.locks_run:  # lock="queue": the retry is checked again, like a deferral
+            run.deferred = True
+        log.warning(
+            "retrying %s[%s] in %.1fs (%s): lock %r is held by %s",
+            task.name,
+            request.id,
+            countdown,
+            "another delivery of this task id" if own else f"retry {request.retries + 1}",
+            key,
+            describe_holder(holder),
+        )
+        raise task.retry(countdown=countdown, exc=AlreadyLocked(key, holder))
+
+
+class Existing(Strategy):
+    """Return the queued holder's ``AsyncResult`` from ``apply_async``. A started
+    task has nothing to point the caller at: skipped in the run, and inside a canvas."""
+
+    name = "existing"
+    locks = ("queue", "queue_and_run")
+    needs = (
+        "returns the queued holder's result at enqueue, so it needs lock='queue' or "
+        "lock='queue_and_run'"
+    )
+
+    def at_enqueue(
+        self,
+        task: Any,
+        send: Send,
+        key: str,
+        holder: LockInfo | None,
+        task_id: str,
+        call: tuple[Any, Any, dict[str, Any], dict[str, Any]],
+    ) -> Any:
+        holder_task = holder.holder.task_id if holder is not None else None
+        if holder_task is None or is_shortened(holder_task):
+            # No task to point at (e.g. taken with guard.lock()).
+            return SKIP.at_enqueue(task, send, key, holder, task_id, call)
+        signals.lock_conflict.send(sender=task, key=key, holder=holder, action=self.name)
+        if in_canvas(call[3]):
+            return _skip_at_enqueue(task, send, key, holder, task_id, call)
+        log.warning(
+            "not publishing %s: lock %r is held by %s; returning its result",
+            task.name,
+            key,
+            describe_holder(holder),
+        )
+        return task.AsyncResult(holder_task)
+
+
+class Wait(Strategy):
+    """Block the worker in one acquire until the key is free (``wait_timeout``,
+    default ``taskguard_wait_timeout``), then run; skipped if it is still held."""
+
+    name = "wait"
+    locks = ("run",)
+    needs = "blocks a worker until the key is free, so it needs lock='run' (publishers never block)"
+    options = ("wait_timeout",)
+    waits = True
+
+
+class Coalesce(Strategy):
+    """At most one running and one pending run per key (taskguard.celery.pending);
+    ``coalesce_replace``: a later submission replaces the pending run."""
+
+    name = "coalesce"
+    locks = ("run",)
+    needs = "keeps one run pending while one runs, so it needs lock='run'"
+    options = ("coalesce_replace",)
+    pending = True
+
+
+def _skip_at_enqueue(
+    task: Any,
+    send: Send,
+    key: str,
+    holder: LockInfo | None,
+    task_id: str,
+    call: tuple[Any, Any, dict[str, Any], dict[str, Any]],
+) -> Any:
+    args, kwargs, headers, options = call
+    value = skipped_result(task=task.name, task_id=task_id, key=key, phase="queue", holder=holder)
+    canvas = in_canvas(options)
+    log.warning(
+        "skipped %s[%s]: lock %r is held by %s%s",
+        task.name,
+        task_id,
+        key,
+        describe_holder(holder),
+        "; publishing its skipped marker for the canvas" if canvas else "",
+    )
+    return answered(task, send, key, task_id, value, args, kwargs, headers, options)
+
+
+SKIP = Strategy()
+#: Also what another delivery of the same message does (whatever the strategy).
+RETRY = Retry()
+#: Every strategy by name, in the order the docs list them.
+STRATEGIES: dict[str, Strategy] = {
+    s.name: s for s in (SKIP, Raise(), RETRY, Existing(), Wait(), Coalesce())
+}
+#: Options some strategy owns.
+_OWNED = {option: s for s in STRATEGIES.values() for option in s.options}
+
+
+def strategy_named(task: str, name: object) -> Strategy:
+    """The strategy ``on_conflict=name`` names, or a one-line ConfigurationError."""
+    try:
+        return STRATEGIES[name]  # type: ignore[index]
+    except (KeyError, TypeError):
+        raise ConfigurationError(
+            f"task {task}: on_conflict={name!r} is not one of {', '.join(map(repr, STRATEGIES))}"
+        ) from None
+
+
+def check_options(task: str, strategy: Strategy, values: Mapping[str, Any]) -> None:
+    """Refuse another strategy's options (``retry_countdown`` without "retry", ...)."""
+    for option, owner in _OWNED.items():
+        if owner is not strategy and values[option] not in (None, False):
+            raise ConfigurationError(
+                f"task {task}: {option} applies to on_conflict={owner.name!r} only"
+            )
