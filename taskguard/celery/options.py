@@ -113,8 +113,10 @@ class GuardOptions:
     queue_ttl: float | None = field(default=None, metadata=_checked_by(_seconds))
     #: ``"run"``, ``"queue"`` or ``"queue_and_run"``.
     lock: str = field(default="run", metadata=_checked_by(_as_is))
-    #: ``"skip"``, ``"raise"``, ``"retry"``, ``"existing"``, ``"wait"`` or ``"coalesce"``.
-    on_conflict: str = field(default="skip", metadata=_checked_by(_as_is))
+    #: ``"skip"``, ``"raise"``, ``"retry"``, ``"existing"``, ``"wait"`` or ``"coalesce"``;
+    #: not given (``None``): ``"skip"``, and with ``rate=`` a busy start is deferred
+    #: (``defer_busy``). ``build`` stores the strategy, never ``None``.
+    on_conflict: str | None = field(default=None, metadata=_checked_by(_as_is))
     #: Countdown for ``on_conflict="retry"``; ``None``: the time left on the holder's lease.
     retry_countdown: float | None = field(default=None, metadata=_checked_by(_countdown))
     #: Concurrency limit: at most this many runs per key at once.
@@ -139,6 +141,9 @@ class GuardOptions:
     debounce_max: float | None = field(default=None, metadata=_checked_by(_seconds))
     #: Computes the key (built from ``key``/``key_args`` and the task's signature).
     keys: KeyDeriver | None = field(default=None, compare=False)
+    #: [rate] A start that finds the run's lock held is deferred (published again with
+    #: a countdown) instead of skipped: ``rate=`` without ``on_conflict`` (set by ``build``).
+    defer_busy: bool = False
 
     @classmethod
     def build(cls, task_name: str, signature: inspect.Signature, **raw: Any) -> GuardOptions:
@@ -155,7 +160,16 @@ class GuardOptions:
             if "check" in f.metadata
         }
         keys = KeyDeriver(task_name, signature, key=checked["key"], key_args=checked["key_args"])
-        return cls(**{**checked, "key_args": keys.key_args}, keys=keys)
+        given = checked["on_conflict"] is not None
+        return cls(
+            **{
+                **checked,
+                "key_args": keys.key_args,
+                "on_conflict": checked["on_conflict"] or "skip",
+            },
+            keys=keys,
+            defer_busy=not given and checked["rate"] is not None,
+        )
 
     @classmethod
     def from_attributes(cls, task: Any) -> GuardOptions:
@@ -295,7 +309,7 @@ def signature_of(fun: Callable[..., Any], *, bind: bool = False) -> inspect.Sign
 
 
 def _check_combinations(task: str, values: Mapping[str, Any]) -> None:
-    lock, on_conflict = values["lock"], values["on_conflict"]
+    lock, on_conflict = values["lock"], values["on_conflict"] or "skip"
     if lock not in LOCK_PHASES:
         raise ConfigurationError(
             f"task {task}: lock={lock!r} is not one of {', '.join(map(repr, LOCK_PHASES))}"

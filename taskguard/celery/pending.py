@@ -42,7 +42,7 @@ from typing import Any
 from celery.utils import uuid
 
 from taskguard import signals
-from taskguard.celery.countdowns import publish_delay
+from taskguard.celery.countdowns import MAX_POLL, poll_countdown, publish_delay
 from taskguard.celery.deferral import defer
 from taskguard.celery.header import HEADER
 from taskguard.celery.leasing import (
@@ -69,6 +69,7 @@ __all__ = [
     "is_coalesced",
     "merged",
     "pending_key",
+    "polls_of",
     "publish_coalesced",
     "started",
     "take_place",
@@ -79,9 +80,6 @@ log = logging.getLogger("taskguard.celery")
 
 #: ``value["__taskguard__"]`` of a submission merged into the pending run.
 COALESCED = "coalesced"
-#: First and longest countdown (seconds) of a pending run re-checking a busy key.
-FIRST_POLL = 0.25
-MAX_POLL = 1.0
 #: Timestamps read back may differ from the handed ones by rounding.
 _SKEW = timedelta(milliseconds=1)
 #: Attempts of a replacing submission racing other replacing submissions.
@@ -265,6 +263,12 @@ def give_up(task: Any, header: Mapping[str, Any]) -> None:
         log.exception("could not give up the pending place carried by %s", task.name)
 
 
+def polls_of(header: Mapping[str, Any]) -> int:
+    """How many times this message was deferred while the key was busy."""
+    polls = header.get("polls", 0)
+    return polls if isinstance(polls, int) else 0
+
+
 def carried(header: dict[str, Any], lease: Lease | None) -> dict[str, Any]:
     """What a deferred copy of a pending run carries on: its pending lease and
     the debounce batch."""
@@ -306,11 +310,8 @@ def wait_for_key(
                 task=task.name, task_id=request.id, key=key, into=into, phase="run"
             )
         lease = got
-    polls = int(header.get("polls", 0)) if isinstance(header.get("polls", 0), int) else 0
-    countdown = min(MAX_POLL, FIRST_POLL * 2**polls)
-    if holder is not None:
-        countdown = min(countdown, max(holder.expires_in.total_seconds(), 0.0) + 0.05)
-    countdown = max(countdown, 0.05)
+    polls = polls_of(header)
+    countdown = poll_countdown(polls, holder)
     if lease is not None and request.is_eager:
         # Not re-run (see taskguard.celery.deferral): later submissions must not merge
         # into a run that will not happen.

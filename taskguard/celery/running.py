@@ -17,7 +17,7 @@ from typing import Any
 
 from taskguard import signals
 from taskguard.celery import completions, debounce, handoff, outage, pending, rate
-from taskguard.celery.countdowns import conflict_countdown
+from taskguard.celery.countdowns import conflict_countdown, poll_countdown
 from taskguard.celery.deferral import defer
 from taskguard.celery.header import header_of, message_key
 from taskguard.celery.interrupt import Interrupter
@@ -194,7 +194,8 @@ def run_conflict(
     own: bool = False,
     waited: float | None = None,
 ) -> Any:
-    """Act on a key held at start: skip, raise, or retry (per ``on_conflict``)."""
+    """Act on a key held at start: skip, raise, or retry (per ``on_conflict``); with
+    ``rate=`` and no ``on_conflict``, defer."""
     opts = task.taskguard_options
     if completions.tracks(task, request) and completions.is_finished(guard, request.id):
         completions.drop_late_copy(task, request, key)
@@ -202,13 +203,19 @@ def run_conflict(
     # drop or fail it; run it once that copy is done (then it is dropped as a late
     # copy if that one finished) or its lease ran out.
     own = own or _own(request, holder)
+    described = describe_holder(holder)
+    if opts.defer_busy and not own:  # [rate] a start waits its turn: never dropped
+        signals.lock_conflict.send(sender=task, key=key, holder=holder, action="defer")
+        log.info("%s[%s] waits: lock %r is held by %s", task.name, request.id, key, described)
+        polls = pending.polls_of(header_of(request))
+        countdown = poll_countdown(polls, holder)
+        raise defer(task, request, key, countdown, "busy", {"polls": polls + 1})
     strategy = "retry" if own else opts.on_conflict
     if strategy in ("existing", "wait"):
         # A started task has nothing to point the caller at; a wait that timed
         # out gives up like "skip".
         strategy = "skip"
     signals.lock_conflict.send(sender=task, key=key, holder=holder, action=strategy)
-    described = describe_holder(holder)
     if strategy == "skip":
         log.warning(
             "skipped %s[%s]%s: lock %r is held by %s",

@@ -198,3 +198,21 @@ def test_a_ten_second_stream_never_starts_more_than_three_in_two_seconds(
     print(f"{penv.store}: shortest span of 4 slot grants (database clock) {min(exact):.3f}s")
     # (held-for is a float: SQLite's julianday arithmetic rounds by some microseconds)
     assert min(exact) >= 2.0 - 0.001, exact
+
+
+def test_rate_alone_runs_every_simultaneous_submission(penv: PendingEnv) -> None:
+    """Issue 33, defect 6: rate= with the defaults (lock="run", limit=1, no
+    on_conflict): a start that finds the key held waits its turn (deferred), it is not
+    skipped. Before: 9 submissions at once gave 3 runs and 6 skipped results."""
+    task = penv.task("tgp.rate_only")
+    kid = penv.key_id("rate-only")
+    results = [task.delay(kid, f"n{i}", 0.2) for i in range(9)]
+    values = [r.get(timeout=60) for r in results]
+    assert values == [f"n{i}" for i in range(9)], values
+    found = runs(penv, kid)
+    assert len(found) == 9, found
+    starts = [r.started_at for r in found]
+    spans = [(b - a).total_seconds() for a, b in zip(starts, starts[3:], strict=False)]
+    assert min(spans) >= 2.0 - RECORDING_SLACK, spans
+    for a, b in itertools.pairwise(found):  # limit=1: one at a time
+        assert a.ended_at is not None and b.started_at >= a.ended_at
