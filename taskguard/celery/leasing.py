@@ -88,10 +88,13 @@ def lease_from_info(info: LockInfo, min_hold: float | None = None) -> Lease:
     )
 
 
-def release_quietly(guard: TaskGuard, lease: Lease, marker: Marker | None = None) -> bool:
-    """Release without raising (a failure is logged; the lease then ends by expiry)."""
+def release_quietly(
+    guard: TaskGuard, lease: Lease, marker: Marker | None = None, reason: str | None = None
+) -> bool:
+    """Release without raising (a failure is logged; the lease then ends by expiry);
+    ``reason``: why, for the history (see :meth:`TaskGuard.release`)."""
     try:
-        return guard.release(lease, marker=marker)
+        return guard.release(lease, marker=marker, reason=reason)
     except TaskGuardError as exc:
         log.error(
             "could not release lock %r (owner %s): %s; it ends by expiry at %s",

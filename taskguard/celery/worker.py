@@ -87,7 +87,7 @@ def release_dead_run(
             if not (info.held and info.holder.task_id == stored_id and own_row):
                 continue  # another delivery's, or not this run's
             lease = lease_from_info(info, task.taskguard_options.min_hold)
-            released = release_quietly(guard, lease)
+            released = release_quietly(guard, lease, reason=f"by the worker's main process: {why}")
             count += int(released)
             _report(key, task, task_id, pid, nodename, why)
             send_released(task, lease, released, (info.read_at - info.acquired_at).total_seconds())

@@ -10,11 +10,14 @@ import signal
 import time
 from datetime import datetime, timedelta, timezone
 
+import pytest
+from billiard.exceptions import WorkerLostError
 from harness import wait_for
 from pending_harness import PendingEnv, pending_env, runs
 
 from taskguard.celery.pending import is_coalesced
 from taskguard.celery.rate import rate_key
+from taskguard.history import LockEvent
 
 __all__ = ["pending_env"]
 
@@ -84,6 +87,27 @@ def test_a_sigkilled_holder_still_gets_its_pending_run_once(penv: PendingEnv) ->
     assert found[1].task_id == pending.id
     assert all(is_coalesced(m.get(timeout=20)) for m in merged)
     print(f"{penv.store}: pending run ended {took:.2f}s after the holder was SIGKILLed")
+
+
+def test_a_killed_run_reads_as_killed_in_the_history(penv: PendingEnv) -> None:
+    """Issue 33, defect 7: the release the worker's main process makes for a SIGKILLed
+    pool process says why in the history (it read like a clean finish: a plain
+    ``released ... held 2.484s``, detail null)."""
+    task = penv.task("tgp.held")
+    kid = penv.key_id("killed-story")
+    result = task.delay(kid, "killed", 30.0)
+    run = wait_for(lambda: runs(penv, kid), 20, "the run")[0]
+    os.kill(run.pid, signal.SIGKILL)
+    with pytest.raises(WorkerLostError):
+        result.get(timeout=30)
+
+    def release() -> list[LockEvent]:
+        return [e for e in penv.guard.events(f"held:{kid}") if e.event == "released"]
+
+    (released,) = wait_for(release, 20, "the main process's release")
+    assert released.detail is not None and "worker process lost" in released.detail
+    assert "signal 9" in released.detail, released.detail
+    assert "worker process lost" in released.describe()
 
 
 def test_a_revoked_pending_run_gives_its_place_back(penv: PendingEnv) -> None:
