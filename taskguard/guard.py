@@ -235,18 +235,23 @@ class TaskGuard:
             )  # fmt: skip
         return Attempt(None, current)
 
-    def release(self, lease: Lease, *, marker: Marker | None = None) -> bool:
+    def release(
+        self, lease: Lease, *, marker: Marker | None = None, reason: str | None = None
+    ) -> bool:
         """Give the lease back. ``True`` if this call ended it; ``False`` if it had
         already expired or been taken over (a stale owner never touches another's row).
         Under a throttle window (``min_hold``) the key stays taken until the window ends.
 
         ``marker``: also take that key for ``marker.ttl`` seconds (either way), in the
-        same statement on PostgreSQL; see ``unless=`` of :meth:`try_acquire`."""
+        same statement on PostgreSQL; see ``unless=`` of :meth:`try_acquire`.
+        ``reason``: why someone other than the holder released it (recorded in the
+        history, e.g. ``"worker process lost: signal 9"``)."""
         if marker is not None:
             marker = validate_marker(marker, lease.key, self.hostname)
         ended, by_statement = self._store.release(lease, marker)
         if by_statement and self.history:
-            self._store.history.ended(lease, "released" if ended else "lost", "at release")
+            event = "released" if ended else "lost"
+            self._store.history.ended(lease, event, "at release", reason)
         return ended
 
     def renew(self, lease: Lease, ttl: float | timedelta | None = None) -> bool:

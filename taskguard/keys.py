@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import unicodedata
 from datetime import timedelta
 from typing import Any
 
@@ -22,6 +23,7 @@ __all__ = [
     "MAX_TTL",
     "MIN_TTL",
     "adopter_for",
+    "check_key_text",
     "holder_for",
     "new_owner",
     "normalize_key",
@@ -50,32 +52,48 @@ def new_owner() -> str:
     return os.urandom(16).hex()
 
 
-def normalize_key(key: object) -> str:
-    """Return the key as it is stored, or raise :class:`InvalidKey`.
-
-    Any non-empty ``str`` without NUL and encodable as UTF-8 is accepted. Keys longer
-    than :data:`MAX_KEY_LENGTH` characters become ``<prefix>#<sha256 digest>``.
-    """
-    if type(key) is str and key.isascii() and 0 < len(key) <= MAX_KEY_LENGTH and "\x00" not in key:
-        return key  # the common case, checked on every lock call: stored as it is
-    if not isinstance(key, str):
-        raise InvalidKey(f"lock key must be a str, not {type(key).__name__}", key)
-    if not key:
-        raise InvalidKey("lock key must not be empty", key)
-    if "\x00" in key:
-        raise InvalidKey(f"lock key must not contain NUL characters: {key[:80]!r}", key)
+def check_key_text(text: str) -> bytes:
+    """``text`` as UTF-8, or :class:`InvalidKey` if no key may contain it (NUL, a lone
+    surrogate). Also checks a key template's literal text when the task is declared."""
+    if "\x00" in text:
+        raise InvalidKey(f"lock key must not contain NUL characters: {text[:80]!r}", text)
     try:
-        encoded = key.encode("utf-8")
+        return text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise InvalidKey(
             f"lock key is not valid Unicode text (lone surrogate at index {exc.start}): "
-            f"{key[:80]!r}",
-            key,
+            f"{text[:80]!r}",
+            text,
         ) from None
-    if len(key) <= MAX_KEY_LENGTH:
-        return key
-    digest = hashlib.sha256(encoded).hexdigest()[:_DIGEST_CHARS]
-    return f"{key[:_PREFIX_CHARS]}#{digest}"
+
+
+def normalize_key(key: object) -> str:
+    """Return the key as it is stored, or raise :class:`InvalidKey`.
+
+    Any ``str`` with a character other than whitespace, without NUL and encodable as
+    UTF-8 is accepted, in Unicode normal form NFC (``"cafe\u0301"`` and ``"caf\u00e9"``
+    are one key). Keys longer than :data:`MAX_KEY_LENGTH` characters become
+    ``<prefix>#<sha256 digest>``.
+    """
+    if (
+        type(key) is str
+        and key.isascii()
+        and 0 < len(key) <= MAX_KEY_LENGTH
+        and "\x00" not in key
+        and not key.isspace()
+    ):
+        return key  # the common case, checked on every lock call: NFC already, stored as it is
+    if not isinstance(key, str):
+        raise InvalidKey(f"lock key must be a str, not {type(key).__name__}", key)
+    if not key.strip():
+        what = "empty" if not key else f"blank (only whitespace: {key[:20]!r})"
+        raise InvalidKey(f"lock key must not be {what}; name the locked thing", key)
+    check_key_text(key)
+    stored = unicodedata.normalize("NFC", key)
+    if len(stored) <= MAX_KEY_LENGTH:
+        return stored
+    digest = hashlib.sha256(stored.encode("utf-8")).hexdigest()[:_DIGEST_CHARS]
+    return f"{stored[:_PREFIX_CHARS]}#{digest}"
 
 
 def validate_ttl(ttl: object, *, name: str = "ttl") -> float:

@@ -19,7 +19,8 @@ Metrics (label ``task`` is the Celery task name, ``none`` outside Celery):
   without running (a broker redelivery)
 * ``taskguard_lock_hold_seconds{task}``: histogram of how long leases were held
 * ``taskguard_runs_deferred_total{task, reason}``: starts put off without a worker
-  slot (reason ``rate``: over ``rate=``; ``coalesce``: a pending run re-checking a
+  slot (reason ``rate``: over ``rate=``; ``busy``: a ``rate=`` task without
+  ``on_conflict`` found the key held; ``coalesce``: a pending run re-checking a
   busy key; ``outage``: the lock database could not be reached before the body
   started, see ``taskguard_outage_retry_for``)
 * ``taskguard_runs_coalesced_total{task, replaced}``: submissions merged into the

@@ -9,10 +9,21 @@ from typing import Any
 
 from taskguard.lease import LockInfo
 
-__all__ = ["MIN_RETRY_COUNTDOWN", "conflict_countdown", "publish_delay", "retry_delay"]
+__all__ = [
+    "FIRST_POLL",
+    "MAX_POLL",
+    "MIN_RETRY_COUNTDOWN",
+    "conflict_countdown",
+    "poll_countdown",
+    "publish_delay",
+    "retry_delay",
+]
 
 #: Shortest countdown for a conflict retry when the holder's lease ends sooner.
 MIN_RETRY_COUNTDOWN = 0.5
+#: First and longest countdown (seconds) of a deferred start re-checking a busy key.
+FIRST_POLL = 0.25
+MAX_POLL = 1.0
 
 
 def _as_utc(value: datetime) -> datetime:
@@ -48,3 +59,13 @@ def conflict_countdown(configured: float | None, holder: LockInfo | None) -> flo
         return configured
     left = holder.expires_in.total_seconds() if holder is not None else 0.0
     return max(MIN_RETRY_COUNTDOWN, left) * random.uniform(1.0, 1.2)
+
+
+def poll_countdown(polls: int, holder: LockInfo | None) -> float:
+    """Countdown of a start deferred while the key is busy (a pending run, a rate=
+    start), its ``polls``-th time: from :data:`FIRST_POLL`, doubling up to
+    :data:`MAX_POLL`, never past the holder's expiry, at least 0.05 s."""
+    countdown = min(MAX_POLL, FIRST_POLL * 2.0**polls)
+    if holder is not None:
+        countdown = min(countdown, max(holder.expires_in.total_seconds(), 0.0) + 0.05)
+    return max(countdown, 0.05)

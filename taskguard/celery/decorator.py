@@ -37,7 +37,7 @@ def guarded_task(
     ttl: Any = None,
     queue_ttl: Any = None,
     lock: str = "run",
-    on_conflict: str = "skip",
+    on_conflict: str | None = None,
     retry_countdown: Any = None,
     limit: int = 1,
     min_hold: Any = None,
@@ -76,7 +76,8 @@ def guarded_task(
         ``"run"`` (held while the body runs), ``"queue"`` (from ``.delay()`` until a
         worker starts it) or ``"queue_and_run"`` (from ``.delay()`` until it ends).
     ``on_conflict``
-        ``"skip"``, ``"raise"``, ``"retry"``, ``"existing"`` (queue phases) or
+        Default ``"skip"`` (with ``rate=``: a start that finds the key held is
+        deferred until the key is free, never dropped), or ``"skip"``, ``"raise"``, ``"retry"``, ``"existing"`` (queue phases) or
         ``"wait"`` (``lock="run"``: block the worker until the key is free, then run;
         skipped if it is still held after ``wait_timeout``) or ``"coalesce"``
         (``lock="run"``: at most one running and one pending run per key; a
@@ -101,7 +102,8 @@ def guarded_task(
     ``rate``
         ``"N/period"`` (``"3/2s"``, ``"10/m"``): at most N runs *started* per key in
         any sliding window of ``period`` (database clock); a start over the rate is
-        deferred until a slot frees, never dropped. Does not limit concurrency.
+        deferred until a slot frees, never dropped, and so (unless ``on_conflict`` is
+        given) is a start that finds the key held. Does not limit concurrency.
     ``coalesce_replace``
         With ``on_conflict="coalesce"``: a submission while one is pending replaces
         the pending run (newest arguments) instead of merging into it.

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from taskguard.exceptions import ConfigurationError, InvalidKey
-from taskguard.keys import normalize_key
+from taskguard.keys import check_key_text, normalize_key
 
 __all__ = ["KeyDeriver", "args_digest", "canonical", "canonical_json"]
 
@@ -241,6 +241,10 @@ class KeyDeriver:
             raise ConfigurationError(
                 f"task {self.task_name}: key template {template!r} is malformed: {exc}"
             ) from None
+        try:  # text no call could make a key of: refused now, not at every call
+            check_key_text("".join(literal for literal, *_ in fields))
+        except InvalidKey as exc:
+            raise ConfigurationError(f"task {self.task_name}: key template: {exc}") from None
         for _literal, field, _spec, _conv in fields:
             if field is None:
                 continue

@@ -20,7 +20,7 @@ from typing import Any
 
 from taskguard.celery.conflicts import SKIP, STRATEGIES, Strategy, check_options, strategy_named
 from taskguard.celery.keys import KeyDeriver, KeyOption
-from taskguard.celery.rate import Rate, parse_rate
+from taskguard.celery.rate import BUSY, Rate, parse_rate
 from taskguard.exceptions import ConfigurationError, InvalidTTL
 from taskguard.keys import validate_limit, validate_ttl
 
@@ -114,8 +114,10 @@ class GuardOptions:
     queue_ttl: float | None = field(default=None, metadata=_checked_by(_seconds))
     #: ``"run"``, ``"queue"`` or ``"queue_and_run"``.
     lock: str = field(default="run", metadata=_checked_by(_as_is))
-    #: ``"skip"``, ``"raise"``, ``"retry"``, ``"existing"``, ``"wait"`` or ``"coalesce"``.
-    on_conflict: str = field(default="skip", metadata=_checked_by(_as_is))
+    #: ``"skip"``, ``"raise"``, ``"retry"``, ``"existing"``, ``"wait"`` or ``"coalesce"``;
+    #: not given (``None``): ``"skip"``, and with ``rate=`` a busy start is deferred
+    #: (``defer_busy``). ``build`` stores the strategy, never ``None``.
+    on_conflict: str | None = field(default=None, metadata=_checked_by(_as_is))
     #: Countdown for ``on_conflict="retry"``; ``None``: the time left on the holder's lease.
     retry_countdown: float | None = field(default=None, metadata=_checked_by(_countdown))
     #: Concurrency limit: at most this many runs per key at once.
@@ -140,6 +142,9 @@ class GuardOptions:
     debounce_max: float | None = field(default=None, metadata=_checked_by(_seconds))
     #: Computes the key (built from ``key``/``key_args`` and the task's signature).
     keys: KeyDeriver | None = field(default=None, compare=False)
+    #: [rate] A start that finds the run's lock held is deferred (published again with
+    #: a countdown) instead of skipped: ``rate=`` without ``on_conflict`` (set by ``build``).
+    defer_busy: bool = False
 
     @classmethod
     def build(cls, task_name: str, signature: inspect.Signature, **raw: Any) -> GuardOptions:
@@ -156,7 +161,16 @@ class GuardOptions:
             if "check" in f.metadata
         }
         keys = KeyDeriver(task_name, signature, key=checked["key"], key_args=checked["key_args"])
-        return cls(**{**checked, "key_args": keys.key_args}, keys=keys)
+        given = checked["on_conflict"] is not None
+        return cls(
+            **{
+                **checked,
+                "key_args": keys.key_args,
+                "on_conflict": checked["on_conflict"] or "skip",
+            },
+            keys=keys,
+            defer_busy=not given and checked["rate"] is not None,
+        )
 
     @classmethod
     def from_attributes(cls, task: Any) -> GuardOptions:
@@ -185,8 +199,11 @@ class GuardOptions:
 
     @cached_property
     def strategy(self) -> Strategy:
-        """What a conflict does (the unit of ``on_conflict``)."""
-        return STRATEGIES[self.on_conflict]
+        """What a conflict does (the unit of ``on_conflict``; with ``rate=`` and no
+        ``on_conflict``, a busy start waits its turn)."""
+        if self.defer_busy:
+            return BUSY
+        return STRATEGIES[self.on_conflict] if self.on_conflict else SKIP
 
     @cached_property
     def pending_runs(self) -> bool:
@@ -301,7 +318,7 @@ def signature_of(fun: Callable[..., Any], *, bind: bool = False) -> inspect.Sign
 
 
 def _check_combinations(task: str, values: Mapping[str, Any]) -> None:
-    lock, on_conflict = values["lock"], values["on_conflict"]
+    lock, on_conflict = values["lock"], values["on_conflict"] or "skip"
     if lock not in LOCK_PHASES:
         raise ConfigurationError(
             f"task {task}: lock={lock!r} is not one of {', '.join(map(repr, LOCK_PHASES))}"

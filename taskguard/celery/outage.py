@@ -6,7 +6,10 @@ the hand-off of a queued lease, its pending place, its finished-record check: a
 the message is published again with a countdown (:func:`taskguard.celery.deferral.defer`:
 outside ``max_retries``), :data:`FIRST_DELAY` seconds doubling up to :data:`MAX_DELAY`,
 until ``taskguard_outage_retry_for`` seconds have passed since its first failure;
-after that the run fails with the error (FAILURE, one ERROR line). Nothing runs
+after that the run fails with the error (FAILURE, one ERROR line) and gives back
+what it holds or was handed (the lease it took, the queued lease, the pending
+place), when the database answers again (:func:`~taskguard.celery.leasing.release_when_reachable`),
+not when those leases expire. Nothing runs
 without its lock and nothing is dropped: each deferral is logged (WARNING) and sent
 as :data:`taskguard.signals.run_deferred` with reason ``"outage"`` (the metric
 ``taskguard_runs_deferred_total{reason="outage"}``).
@@ -21,6 +24,7 @@ its own. Eager runs (no broker to hold a countdown) raise the error at once.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -28,6 +32,8 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from taskguard.celery.deferral import defer
+from taskguard.celery.header import Header
+from taskguard.celery.leasing import release_when_reachable
 from taskguard.config import setting
 from taskguard.exceptions import DatabaseUnavailable, OutcomeUnknown
 from taskguard.keys import validate_ttl
@@ -69,6 +75,8 @@ def retry_later(run: Any, exc: DatabaseUnavailable) -> BaseException:
             bound,
             exc,
         )
+        why = f"{task.name}[{request.id}] gave up on the outage"
+        release_when_reachable(run.guard, _given_up(run), why)
         return exc
     opts = run.opts
     key = run.key or header.message_key(
@@ -102,3 +110,25 @@ def retry_later(run: Any, exc: DatabaseUnavailable) -> BaseException:
     )
     retry: BaseException = defer(task, request, key, countdown, "outage", extra)
     return retry
+
+
+def _given_up(run: Any) -> list[Lease]:
+    """What a run that gives up holds or was handed: the lease it took, the lease
+    the message carries (under either owner id it may have), its pending place."""
+    header: Header = run.header
+    leases: list[Lease] = []
+    held: Lease | None = run.lease
+    try:
+        handed = header.lease
+        if handed is not None:
+            carried = Lease.from_dict(handed)
+            leases.append(carried)
+            if handed.get("alternate"):
+                leases.append(dataclasses.replace(carried, owner=str(handed["alternate"])))
+        if header.pending is not None:
+            leases.append(Lease.from_dict(header.pending))
+    except (KeyError, TypeError, ValueError) as exc:
+        log.warning("ignoring a malformed lease in %s[%s]: %s", run.task.name, run.request.id, exc)
+    if held is None:
+        return leases
+    return [held, *(lease for lease in leases if lease.owner != held.owner)]

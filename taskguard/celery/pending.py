@@ -41,7 +41,7 @@ from typing import Any
 from celery.utils import uuid
 
 from taskguard import signals
-from taskguard.celery.countdowns import publish_delay
+from taskguard.celery.countdowns import MAX_POLL, poll_countdown, publish_delay
 from taskguard.celery.deferral import defer
 from taskguard.celery.header import HEADER, Header
 from taskguard.celery.leasing import (
@@ -78,9 +78,6 @@ log = logging.getLogger("taskguard.celery")
 
 #: ``value["__taskguard__"]`` of a submission merged into the pending run.
 COALESCED = "coalesced"
-#: First and longest countdown (seconds) of a pending run re-checking a busy key.
-FIRST_POLL = 0.25
-MAX_POLL = 1.0
 #: Timestamps read back may differ from the handed ones by rounding.
 _SKEW = timedelta(milliseconds=1)
 #: Attempts of a replacing submission racing other replacing submissions.
@@ -301,10 +298,7 @@ def wait_for_key(
             )
         lease = got
     polls = header.polls
-    countdown = min(MAX_POLL, FIRST_POLL * 2**polls)
-    if holder is not None:
-        countdown = min(countdown, max(holder.expires_in.total_seconds(), 0.0) + 0.05)
-    countdown = max(countdown, 0.05)
+    countdown = poll_countdown(polls, holder)
     if lease is not None and request.is_eager:
         # Not re-run (see taskguard.celery.deferral): later submissions must not merge
         # into a run that will not happen.

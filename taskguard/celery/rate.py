@@ -13,13 +13,18 @@ never dropped.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from taskguard.celery.leasing import acquire_or_holder, release_quietly
+from taskguard import signals
+from taskguard.celery.conflicts import Strategy
+from taskguard.celery.countdowns import poll_countdown
+from taskguard.celery.deferral import defer
+from taskguard.celery.leasing import acquire_or_holder, describe_holder, release_quietly
 from taskguard.celery.taskids import stored_task_id
 from taskguard.companions import companion_key
 from taskguard.exceptions import ConfigurationError
@@ -27,13 +32,15 @@ from taskguard.guard import TaskGuard
 from taskguard.keys import MAX_LIMIT, MAX_TTL
 from taskguard.lease import LockInfo
 
-__all__ = ["RATE_FORMS", "Rate", "parse_rate", "rate_key", "take_start"]
+__all__ = ["BUSY", "RATE_FORMS", "Rate", "parse_rate", "rate_key", "take_start"]
 
 #: What the error message shows as accepted.
 RATE_FORMS = (
     "'N/s', 'N/m', 'N/h', 'N/d' or 'N/<number><unit>' such as '3/2s' or '10/15m' "
     f"(N from 1 to {MAX_LIMIT}), or a tuple (N, seconds)"
 )
+log = logging.getLogger("taskguard.celery")
+
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _PATTERN = re.compile(r"^\s*(\d+)\s*/\s*(\d+(?:\.\d+)?)?\s*([smhd])?\s*$")
 
@@ -110,3 +117,24 @@ def take_start(
         return False, holder
     release_quietly(guard, lease)  # the row stays taken until acquired_at + period
     return True, None
+
+
+class _WaitTurn(Strategy):
+    """``rate=`` without ``on_conflict``: a start that finds the run's lock held waits
+    its turn (published again, polling like a pending run: never dropped, as a start
+    over the rate is not). Chosen by the options, not an ``on_conflict`` value."""
+
+    name = "defer"
+
+    def at_run(self, run: Any, holder: LockInfo | None, waited: float | None) -> Any:
+        task, request, key = run.task, run.request, run.key
+        signals.lock_conflict.send(sender=task, key=key, holder=holder, action=self.name)
+        described = describe_holder(holder)
+        log.info("%s[%s] waits: lock %r is held by %s", task.name, request.id, key, described)
+        polls = run.header.polls
+        countdown = poll_countdown(polls, holder)
+        raise defer(task, request, key, countdown, "busy", {"polls": polls + 1})
+
+
+#: The strategy of a task with ``rate=`` and no ``on_conflict`` (``options.defer_busy``).
+BUSY = _WaitTurn()

@@ -12,7 +12,10 @@ exception), which releases the lease. What no ``finally`` sees:
   and SIGKILL 0.1 s later if it did not exit; a second later the main process
   releases whatever that child still holds;
 * a message revoked or expired before it started — gives back the queue-phase
-  lease it carried (``task_revoked`` receiver).
+  lease or pending place it carried (``task_revoked`` receiver); one waiting out a
+  countdown in the worker's ETA timer gives it back when the worker receives the
+  revoke (:func:`give_back_at_revoke`), not when the countdown ends, so a
+  submission right after the revoke does not merge into a run that will not happen.
 
 Rows are matched by task id, worker node *and* the dead child's pid, so another
 delivery's lease is never touched. A hard kill of the whole worker runs no hook
@@ -28,6 +31,10 @@ from typing import Any
 
 from celery.exceptions import TimeLimitExceeded, WorkerLostError
 from celery.platforms import signals as platform_signals
+from celery.signals import worker_init
+from celery.utils.functional import maybe_list
+from celery.worker import state as worker_state
+from celery.worker.control import Panel
 from celery.worker.request import Request
 from kombu.asynchronous import get_event_loop
 
@@ -43,7 +50,7 @@ from taskguard.celery.taskids import stored_task_id
 from taskguard.config import guard_for
 from taskguard.lease import Lease
 
-__all__ = ["GuardedRequest", "release_dead_run", "release_unstarted"]
+__all__ = ["GuardedRequest", "give_back_at_revoke", "release_dead_run", "release_unstarted"]
 
 log = logging.getLogger("taskguard.celery")
 
@@ -79,7 +86,7 @@ def release_dead_run(
             if not (info.held and info.holder.task_id == stored_id and own_row):
                 continue  # another delivery's, or not this run's
             lease = lease_from_info(info, task.taskguard_options.min_hold)
-            released = release_quietly(guard, lease)
+            released = release_quietly(guard, lease, reason=f"by the worker's main process: {why}")
             count += int(released)
             _report(key, task, task_id, pid, nodename, why)
             send_released(task, lease, released, (info.read_at - info.acquired_at).total_seconds())
@@ -119,6 +126,33 @@ def release_unstarted(task: Any, request: Any, header: Header) -> None:
         send_released(task, lease, released, held_seconds(lease))
     except Exception:
         log.exception("could not release the lock of revoked %s[%s]", task.name, request.id)
+
+
+def give_back_at_revoke(**_: Any) -> None:
+    """Make the worker's ``revoke`` remote control command also give back what the
+    revoked guarded messages waiting in its ETA timer carry (:func:`release_unstarted`),
+    once Celery has flagged them revoked (so none of them starts after). Celery itself
+    sends ``task_revoked`` for such a message only when its countdown ends.
+    Connected to ``worker_init``: the worker's main process only."""
+    revoke = Panel.data.get("revoke")
+    if revoke is None or getattr(revoke, "taskguard", False):
+        return
+
+    def revoke_and_give_back(state: Any, task_id: Any, *args: Any, **kwargs: Any) -> Any:
+        reply = revoke(state, task_id, *args, **kwargs)
+        ids = set(maybe_list(task_id) or ())
+        # Not worker_state.requests: a deferred copy shares its task id with the run
+        # that published it, whose end drops the id from there.
+        for request in list(worker_state.scheduled_requests):
+            if isinstance(request, GuardedRequest) and request.id in ids:
+                release_unstarted(request.task, request, Header.of(request.request_dict))
+        return reply
+
+    revoke_and_give_back.taskguard = True  # type: ignore[attr-defined]
+    Panel.data["revoke"] = revoke_and_give_back
+
+
+worker_init.connect(give_back_at_revoke, weak=False, dispatch_uid="taskguard.celery.worker.revoke")
 
 
 def _is_sigkill(signum: Any) -> bool:

@@ -49,13 +49,16 @@ class EventLog:
         rows, _ = self._db.run(self._sql.events, {"key": key, "limit": limit})
         return [LockEvent.from_row(r, self._dialect.to_datetime) for r in reversed(rows)]
 
-    def ended(self, lease: Lease, event: str, when: str) -> None:
-        """``released`` or ``lost`` (found so ``when``), named after the grant's holder."""
+    def ended(self, lease: Lease, event: str, when: str, reason: str | None = None) -> None:
+        """``released`` or ``lost`` (found so ``when``), named after the grant's holder;
+        ``reason``: why it was released for its holder (a killed run)."""
         detail = (
             f"found expired or taken over {when}"
             if event == "lost"
             else (f"key kept until the {lease.min_hold:g}s window ends" if lease.min_hold else None)
         )
+        if reason:
+            detail = f"{reason}; {detail}" if detail else reason
         self.record(
             event, lease.key, lease.slot, lease.owner, lease.token,
             since=lease.acquired_at, detail=detail, stmt=self._sql.record_ended,

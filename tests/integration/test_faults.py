@@ -333,6 +333,13 @@ def outage_env(pg_template: str) -> Iterator[OutageEnv]:
                 app.tokens.append(current_lease().token)  # type: ignore[attr-defined, union-attr]
                 return "ran"
 
+            @guarded_task(
+                app=app, shared=False, key="qo:{k}", ttl=30, lock="queue", name="outage.queue"
+            )
+            def queue_only(k: str) -> str:
+                app.ran.append(k)  # type: ignore[attr-defined]
+                return "ran"
+
             guard = TaskGuard(url)
             with start_test_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
                 yield OutageEnv(app, proxy, guard)
@@ -516,3 +523,38 @@ def test_a_deferred_copy_revoked_in_its_countdown_gives_its_lease_back(
         time.sleep(0.1)
     assert info is not None and not info.held, "the revoked copy kept the lease"
     assert worker_app.ran == []  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("lock", "task", "prefix"),
+    [
+        ("run", "outage.fetch", "out"),
+        ("queue", "outage.queue", "qo"),
+        ("queue_and_run", "outage.queued", "qr"),
+    ],
+)
+def test_a_run_that_gives_up_on_an_outage_leaves_its_key_free(
+    worker_app: Celery, outage_env: OutageEnv, lock: str, task: str, prefix: str
+) -> None:
+    """Issue 33, defect 10: a run that gave up after taskguard_outage_retry_for (3 s)
+    ends FAILURE, and once the database answers again its key is free: a queue
+    phase's lease (taken at enqueue, 30 s) used to stay held by the failed task id
+    until it expired, and new calls were skipped against it."""
+    proxy = outage_env.proxy
+    k = f"gave-up-{lock}"
+    result = worker_app.tasks[task].apply_async((k,), countdown=0.5)  # the lease is taken
+    proxy.refuse = True
+    proxy.cut_all()
+    try:
+        with pytest.raises(DatabaseUnavailable):
+            result.get(timeout=30)
+    finally:
+        proxy.refuse = False
+    deadline = time.monotonic() + 10  # well before the 30 s lease would expire
+    info = outage_env.guard.get(f"{prefix}:{k}")
+    while info is not None and info.held and time.monotonic() < deadline:
+        time.sleep(0.1)
+        info = outage_env.guard.get(f"{prefix}:{k}")
+    assert info is None or not info.held, f"the failed run still holds its key: {info}"
+    assert worker_app.tasks[task].delay(k).get(timeout=20) == "ran"
+    assert worker_app.ran == [k]  # type: ignore[attr-defined]

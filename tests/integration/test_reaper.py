@@ -27,8 +27,8 @@ from sqlalchemy.engine import make_url
 
 import taskguard
 from taskguard import ConfigurationError, Lease, TaskGuard
-from taskguard.config import reset_guards
 from taskguard.celery.reaper import SCHEDULE_KEY, TASK_NAME
+from taskguard.config import reset_guards
 from taskguard.signals import locks_reaped
 
 pytestmark = pytest.mark.postgres

@@ -282,6 +282,8 @@ def test_template_can_use_names_from_var_keyword() -> None:
         ("feed:{}", "positional fields"),
         ("feed:{0}", "positional fields"),
         ("feed:{feed_url", "malformed"),
+        ("x\x00{feed_url}", "NUL"),
+        ("x\udcff{feed_url}", "lone surrogate"),
     ],
 )
 def test_bad_templates_fail_at_definition(template: str, message: str) -> None:

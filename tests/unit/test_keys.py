@@ -27,7 +27,7 @@ def test_long_keys_get_readable_prefix_and_digest() -> None:
     assert normalize_key(long + "b") != stored
 
 
-@pytest.mark.parametrize("bad", ["", "a\x00", b"bytes", 1, None, "\udcff"])
+@pytest.mark.parametrize("bad", ["", " ", "  \t\n", "a\x00", b"bytes", 1, None, "\udcff"])
 def test_bad_keys(bad: object) -> None:
     with pytest.raises(InvalidKey) as err:
         normalize_key(bad)
@@ -39,10 +39,23 @@ def test_any_text_is_accepted_or_rejected_clearly(key: str) -> None:
     try:
         stored = normalize_key(key)
     except InvalidKey:
-        assert "\x00" in key or any(0xD800 <= ord(c) <= 0xDFFF for c in key)
+        assert "\x00" in key or any(0xD800 <= ord(c) <= 0xDFFF for c in key) or not key.strip()
     else:
         assert 0 < len(stored) <= MAX_KEY_LENGTH
         stored.encode("utf-8")
+
+
+def test_blank_key_error_is_one_line() -> None:
+    with pytest.raises(InvalidKey) as err:
+        normalize_key("   ")
+    assert "\n" not in str(err.value) and "blank" in str(err.value)
+
+
+def test_keys_are_normalized_to_nfc() -> None:
+    composed, decomposed = "caf\u00e9", "cafe\u0301"
+    assert normalize_key(decomposed) == normalize_key(composed) == composed
+    long = decomposed + "x" * MAX_KEY_LENGTH
+    assert normalize_key(long) == normalize_key(composed + "x" * MAX_KEY_LENGTH)
 
 
 @pytest.mark.parametrize("ttl", [MIN_TTL, 1, 2.5, MAX_TTL, timedelta(minutes=5)])

@@ -21,6 +21,16 @@ from taskguard.lease import Holder, LockInfo
 from taskguard.signals import run_coalesced, run_deferred
 
 
+def test_rate_without_on_conflict_defers_a_busy_start() -> None:
+    """Issue 33, defect 6: rate= alone defers a start that finds the key held; an
+    explicit on_conflict stays the user's choice."""
+    opts = _define(rate="3/2s")
+    assert (opts.on_conflict, opts.defer_busy) == ("skip", True)
+    assert not _define(rate="3/2s", on_conflict="skip").defer_busy
+    assert not _define(rate="3/2s", on_conflict="raise").defer_busy
+    assert not _define().defer_busy and _define().on_conflict == "skip"
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [

@@ -10,11 +10,14 @@ import signal
 import time
 from datetime import datetime, timedelta, timezone
 
+import pytest
+from billiard.exceptions import WorkerLostError
 from harness import wait_for
 from pending_harness import PendingEnv, pending_env, runs
 
 from taskguard.celery.pending import is_coalesced
 from taskguard.celery.rate import rate_key
+from taskguard.history import LockEvent
 
 __all__ = ["pending_env"]
 
@@ -84,6 +87,27 @@ def test_a_sigkilled_holder_still_gets_its_pending_run_once(penv: PendingEnv) ->
     assert found[1].task_id == pending.id
     assert all(is_coalesced(m.get(timeout=20)) for m in merged)
     print(f"{penv.store}: pending run ended {took:.2f}s after the holder was SIGKILLed")
+
+
+def test_a_killed_run_reads_as_killed_in_the_history(penv: PendingEnv) -> None:
+    """Issue 33, defect 7: the release the worker's main process makes for a SIGKILLed
+    pool process says why in the history (it read like a clean finish: a plain
+    ``released ... held 2.484s``, detail null)."""
+    task = penv.task("tgp.held")
+    kid = penv.key_id("killed-story")
+    result = task.delay(kid, "killed", 30.0)
+    run = wait_for(lambda: runs(penv, kid), 20, "the run")[0]
+    os.kill(run.pid, signal.SIGKILL)
+    with pytest.raises(WorkerLostError):
+        result.get(timeout=30)
+
+    def release() -> list[LockEvent]:
+        return [e for e in penv.guard.events(f"held:{kid}") if e.event == "released"]
+
+    (released,) = wait_for(release, 20, "the main process's release")
+    assert released.detail is not None and "worker process lost" in released.detail
+    assert "signal 9" in released.detail, released.detail
+    assert "worker process lost" in released.describe()
 
 
 def test_a_revoked_pending_run_gives_its_place_back(penv: PendingEnv) -> None:
@@ -198,3 +222,21 @@ def test_a_ten_second_stream_never_starts_more_than_three_in_two_seconds(
     print(f"{penv.store}: shortest span of 4 slot grants (database clock) {min(exact):.3f}s")
     # (held-for is a float: SQLite's julianday arithmetic rounds by some microseconds)
     assert min(exact) >= 2.0 - 0.001, exact
+
+
+def test_rate_alone_runs_every_simultaneous_submission(penv: PendingEnv) -> None:
+    """Issue 33, defect 6: rate= with the defaults (lock="run", limit=1, no
+    on_conflict): a start that finds the key held waits its turn (deferred), it is not
+    skipped. Before: 9 submissions at once gave 3 runs and 6 skipped results."""
+    task = penv.task("tgp.rate_only")
+    kid = penv.key_id("rate-only")
+    results = [task.delay(kid, f"n{i}", 0.2) for i in range(9)]
+    values = [r.get(timeout=60) for r in results]
+    assert values == [f"n{i}" for i in range(9)], values
+    found = runs(penv, kid)
+    assert len(found) == 9, found
+    starts = [r.started_at for r in found]
+    spans = [(b - a).total_seconds() for a, b in zip(starts, starts[3:], strict=False)]
+    assert min(spans) >= 2.0 - RECORDING_SLACK, spans
+    for a, b in itertools.pairwise(found):  # limit=1: one at a time
+        assert a.ended_at is not None and b.started_at >= a.ended_at

@@ -155,6 +155,35 @@ def test_a_coalesced_submission_never_merges_into_another_tasks_pending_run(
     assert sorted(r.note for r in found) == ["import", "import", "reindex"], found
 
 
+# -- revoke in the pending window -----------------------------------------------------------
+
+
+def test_a_submission_after_the_pending_run_was_revoked_runs(menv: PendingEnv) -> None:
+    """Issue 33, defect 9: the pending run is revoked while its deferred copy waits in
+    the worker's ETA timer; a submission made right after the worker received the
+    revoke becomes the new pending run and runs. It used to merge into the revoked
+    run (a coalesced marker naming it) and never run: the place was given back only
+    when the copy's countdown ended."""
+    node = f"{menv.worker.queue}@{socket.gethostname()}"  # workers.start_worker's -n
+    task = menv.task("tgm.run-coalesce")
+    for trial in range(3):
+        kid = menv.key_id(f"revoked-pending-{trial}")
+        holder = menv.guard.acquire(f"m:{kid}", 30, task_name="holder")
+        assert holder is not None
+        doomed = task.delay(key_id=kid, note="revoked")
+        time.sleep(1.0)  # its deferred copy waits in the worker's ETA timer
+        replies = menv.app.control.revoke(
+            doomed.id, destination=[node], reply=True, timeout=10, limit=1
+        )
+        assert replies, "the worker did not answer the revoke"
+        after = task.delay(key_id=kid, note="after")
+        early = after.result if isinstance(after.result, dict) else None
+        assert not is_coalesced(early), f"trial {trial}: merged into the revoked run: {early}"
+        assert menv.guard.release(holder)
+        assert after.get(timeout=BOUND) == "after"
+        assert [r.note for r in runs(menv, kid)] == ["after"]
+
+
 # -- E: a SIGKILLed waiter -----------------------------------------------------------------
 
 

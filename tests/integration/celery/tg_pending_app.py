@@ -87,6 +87,17 @@ def make_app(
     def rated(self: Any, key_id: str, note: str = "", duration: float = 0.0) -> str:
         return record(self, runs_url, key_id, note, duration)
 
+    @guarded_task(app=app, shared=False, name="tgp.held", key="held:{key_id}", ttl=30, bind=True)
+    def held(self: Any, key_id: str, note: str = "", duration: float = 0.0) -> str:
+        return record(self, runs_url, key_id, note, duration)
+
+    @guarded_task(
+        app=app, shared=False, name="tgp.rate_only", key="ro:{key_id}", ttl=3, rate="3/2s",
+        bind=True,
+    )  # fmt: skip
+    def rate_only(self: Any, key_id: str, note: str = "", duration: float = 0.0) -> str:
+        return record(self, runs_url, key_id, note, duration)
+
     @guarded_task(
         app=app, shared=False, name="tgp.debounced", key="db:{key_id}", ttl=3, debounce=1,
         bind=True,
