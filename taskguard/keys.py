@@ -75,16 +75,12 @@ def normalize_key(key: object) -> str:
     are one key). Keys longer than :data:`MAX_KEY_LENGTH` characters become
     ``<prefix>#<sha256 digest>``.
     """
-    if (
-        type(key) is str
-        and key.isascii()
-        and 0 < len(key) <= MAX_KEY_LENGTH
-        and "\x00" not in key
-        and not key.isspace()
-    ):
-        return key  # the common case, checked on every lock call: NFC already, stored as it is
     if not isinstance(key, str):
         raise InvalidKey(f"lock key must be a str, not {type(key).__name__}", key)
+    # The common case, checked on every lock call: short printable ASCII (NFC already).
+    plain = 0 < len(key) <= MAX_KEY_LENGTH and key.isascii() and key.isprintable()
+    if plain and not key.isspace():
+        return key
     if not key.strip():
         what = "empty" if not key else f"blank (only whitespace: {key[:20]!r})"
         raise InvalidKey(f"lock key must not be {what}; name the locked thing", key)
@@ -172,16 +168,12 @@ def validate_holder(
 ) -> None:
     """Refuse holder details the columns cannot store (before any statement is sent)."""
     texts: Any = (task_name or "", task_id or "", hostname or "")  # str, once types are checked
-    if (
-        {type(task_name), type(task_id), type(hostname)} <= _OPTIONAL_TEXT
-        and max(map(len, texts)) <= _MAX_DETAIL
-        and "".join(texts).isascii()
-        and "\x00" not in "".join(texts)
-        and type(slot) is int
-        and 0 <= slot <= _MAX_SLOT
-        and (pid is None or (type(pid) is int and 0 <= pid <= _MAX_PID))
-    ):
-        return  # the common case (short ASCII text), checked on every acquire
+    # The common case (short printable ASCII), checked on every acquire, in few steps.
+    plain = {type(task_name), type(task_id), type(hostname)} <= _OPTIONAL_TEXT
+    plain = plain and max(map(len, texts)) <= _MAX_DETAIL and "".join(texts).isprintable()
+    plain = plain and "".join(texts).isascii() and type(slot) is int and 0 <= slot <= _MAX_SLOT
+    if plain and (pid is None or (type(pid) is int and 0 <= pid <= _MAX_PID)):
+        return
     for name, value in (("task_name", task_name), ("task_id", task_id), ("hostname", hostname)):
         if value is None:
             continue

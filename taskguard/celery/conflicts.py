@@ -144,7 +144,7 @@ class Retry(Strategy):
             key,
             describe_holder(holder),
         )
-        headers[HEADER] = Header(key, deferred=True).to_dict()
+        headers[HEADER] = Header(key, deferred=True).to_message()
         options.pop("eta", None)
         options["countdown"] = countdown
         return send(args, kwargs, task_id, headers, options)

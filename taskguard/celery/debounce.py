@@ -82,7 +82,7 @@ def publish_debounced(
     if lease is None and holder is not None:  # lost three races to newer submissions
         return pending.merged(task, send, key, task_id, holder, args, kwargs, headers, options)
     pending_dict = lease.to_dict() if lease is not None else None
-    headers[HEADER] = Header(key, pending=pending_dict, debounce=batch_dict).to_dict()
+    headers[HEADER] = Header(key, pending=pending_dict, debounce=batch_dict).to_message()
     options.pop("eta", None)
     options["countdown"] = countdown
     try:

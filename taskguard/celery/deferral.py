@@ -38,7 +38,7 @@ def defer(
     :class:`~celery.exceptions.Retry` to raise (so the result shows RETRY, not a
     value). ``reason`` is logged and sent with :data:`taskguard.signals.run_deferred`."""
     header = Header(key, "retry", deferred=reason)._replace(**(extra_header or {}))
-    headers = {**(getattr(request, "headers", None) or {}), HEADER: header.to_dict()}
+    headers = {**(getattr(request, "headers", None) or {}), HEADER: header.to_message()}
     sig = task.signature_from_request(
         request, countdown=countdown, retries=request.retries, headers=headers
     )

@@ -59,7 +59,7 @@ def publish(
     if opts.strategy.pending:  # [coalesce] publish as the pending run, or merge
         return pending.publish_coalesced(task, send, key, args, kwargs, task_id, headers, options)
     if not opts.locks_queue:
-        headers[HEADER] = Header(key).to_dict()
+        headers[HEADER] = Header(key).to_message()
         return send(args, kwargs, task_id, headers, options)
 
     task_id = task_id or uuid()
@@ -77,7 +77,7 @@ def publish(
         call = (args, kwargs, headers, options)
         return opts.strategy.at_enqueue(task, send, key, holder, task_id, call)
     signals.lock_acquired.send(sender=task, key=key, lease=lease)
-    headers[HEADER] = Header(key, lease=lease.to_dict()).to_dict()
+    headers[HEADER] = Header(key, lease=lease.to_dict()).to_message()
     try:
         return send(args, kwargs, task_id, headers, options)
     except BaseException:

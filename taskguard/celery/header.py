@@ -27,7 +27,7 @@ log = logging.getLogger("taskguard.celery")
 
 #: The message header taskguard's state travels in.
 HEADER = "taskguard"
-#: Version of the header's layout.
+#: Version of the header's layout; published as ``"v"`` from version 2 on.
 VERSION = 1
 
 
@@ -65,11 +65,15 @@ class Header(NamedTuple):
             value, headers = request.get(HEADER), request.get("headers")
         else:
             value = getattr(request, HEADER, None)
-            if type(value) is dict:  # a worker's request, read on every run
+            if type(value) is str:  # a worker's request, read on every run: the key alone
+                return cls(value)
+            if type(value) is dict:
                 return cls.from_dict(value)
             headers = getattr(request, "headers", None)
-        if not isinstance(value, Mapping) and isinstance(headers, Mapping):
+        if not isinstance(value, (str, Mapping)) and isinstance(headers, Mapping):
             value = headers.get(HEADER)
+        if isinstance(value, str):
+            return cls(value)
         return cls.from_dict(value) if isinstance(value, Mapping) else _EMPTY
 
     @classmethod
@@ -84,11 +88,16 @@ class Header(NamedTuple):
         extra = (pending, _dict(get("debounce")), polls, _dict(get("outage")))
         return cls(get("key"), get("via") or "enqueue", lease, get("deferred"), marker, *extra)
 
-    def to_dict(self) -> dict[str, Any]:
-        """The header as published: the version, the key and the fields set."""
-        out: dict[str, Any] = {"v": VERSION, "key": self.key, "via": self.via}
-        if self.key is None:
-            del out["key"]
+    def to_message(self) -> str | dict[str, Any]:
+        """The header as published: the key alone as a string (the common case: a
+        plain header is the cheapest to serialize), else the fields set, defaults left
+        out (no ``via`` for ``"enqueue"``, no ``v`` for version 1)."""
+        key = self.key
+        if key is not None and self[1:] == _EMPTY[1:]:
+            return key
+        out: dict[str, Any] = {} if key is None else {"key": key}
+        if self.via != "enqueue":
+            out["via"] = self.via
         for name in _OPTIONAL:
             value = getattr(self, name)
             if value:

@@ -122,6 +122,8 @@ class _TemplateFormatter(string.Formatter):
 
 
 _FORMATTER = _TemplateFormatter()
+#: Argument types str.format formats as the template formatter does.
+_SCALARS = {str, int, float, bool}
 
 
 def _name_of(func: Callable[..., Any]) -> str:
@@ -155,6 +157,11 @@ class KeyDeriver:
         params = signature.parameters.values()
         self._var_kw = next((p.name for p in params if p.kind is p.VAR_KEYWORD), None)
         self._names = [p.name for p in params if p.kind is not p.VAR_KEYWORD]
+        #: Calls that pass every argument positionally to a signature of plain
+        #: parameters (no defaults, *args, **kwargs or keyword-only) bind without
+        #: inspect: the number of them (None: always bind with inspect).
+        plain = all(p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty for p in params)
+        self._positional = len(self._names) if plain else None
         self.template: str | None = None
         self.func: Callable[..., Any] | None = None
         self.key_args: tuple[str, ...] | None = None
@@ -294,6 +301,13 @@ class KeyDeriver:
 
     def derive(self, args: Iterable[Any] | None, kwargs: Mapping[str, Any] | None) -> str:
         """The stored lock key for a call with ``args``/``kwargs``."""
+        # The common case (a template, every argument passed by position, each a str
+        # or a number): str.format_map formats them as the template formatter does.
+        given: Any = args
+        fast = self.template is not None and not kwargs and type(given) in (tuple, list)
+        if fast and len(given) == self._positional and {type(a) for a in given} <= _SCALARS:
+            named = dict(zip(self._names, given, strict=True))
+            return normalize_key(str(self.template).format_map(named))
         bound = self.bind(args, kwargs)
         try:
             if self.func is not None:

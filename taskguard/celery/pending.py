@@ -134,7 +134,7 @@ def publish_coalesced(
     if lease is None and holder is not None:
         return merged(task, send, key, task_id, holder, args, kwargs, headers, options)
     pending = lease.to_dict() if lease is not None else None
-    headers[HEADER] = Header(key, pending=pending).to_dict()
+    headers[HEADER] = Header(key, pending=pending).to_message()
     try:
         return send(args, kwargs, task_id, headers, options)
     except BaseException:

@@ -129,7 +129,7 @@ def answered(
     marker ``value`` (see the module docstring); ``send`` is Celery's own publish."""
     if not in_canvas(options):
         return marker_in_hand(task, task_id, value, options)
-    headers[HEADER] = Header(key, marker=value).to_dict()
+    headers[HEADER] = Header(key, marker=value).to_message()
     return send(args, kwargs, task_id, headers, options)
 
 

@@ -155,7 +155,7 @@ class GuardedTask(Task):  # type: ignore[misc]
         if base_headers is None:
             base_headers = getattr(request, "headers", None) or {}
         header = Header(key or None, "retry", lease=handed, deferred=deferred or None)
-        options["headers"] = {**base_headers, HEADER: header.to_dict()}
+        options["headers"] = {**base_headers, HEADER: header.to_message()}
         if handing and run is not None:
             # Before publishing: the retried run may start, adopt and even finish at once.
             run.handed_over = True
