@@ -71,7 +71,16 @@ def _force_released(page: Page, out: str) -> None:
         guard.dispose()
 
 
+# -- docs/alembic.md: the reader's own revision is based on their head -------------
+
 SHOP = "postgresql+psycopg://app@127.0.0.1:5432/shop"
+OWN_REVISION = 'alembic revision -m "add notes to orders" --head 5f2c1a9d0e11'
+
+
+def _own_revision(page: Page, out: str) -> None:
+    [path] = (page.dir / "migrations" / "versions").glob("*_add_notes_to_orders.py")
+    assert re.search(r"^down_revision\b.*5f2c1a9d0e11", path.read_text(), re.M), path.read_text()
+
 
 GUIDE_PG = "postgresql+psycopg://app@db/app"
 
@@ -92,6 +101,7 @@ PAGES: dict[str, PageSpec] = {
             "way1": ("The example application", "Way 1", "Switching from way 1 to way 2"),
             "way2": ("The example application", "Way 2"),
         },
+        checks={OWN_REVISION: _own_revision},
     ),
     "README.md": PageSpec(
         urls={
