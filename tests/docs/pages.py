@@ -82,14 +82,28 @@ def _own_revision(page: Page, out: str) -> None:
     assert re.search(r"^down_revision\b.*5f2c1a9d0e11", path.read_text(), re.M), path.read_text()
 
 
-GUIDE_PG = "postgresql+psycopg://app@db/app"
+PAGE_PG = "postgresql+psycopg://app@db/app"
 
 PAGES: dict[str, PageSpec] = {
-    "docs/guide.md": PageSpec(
+    "docs/getting-started.md": PageSpec(
         urls={
-            GUIDE_PG: Service("pg+schema"),
+            PAGE_PG: Service("pg+schema"),
+            "redis://localhost:6379/0": Service("redis", 6),
+            "redis://localhost:6379/1": Service("redis", 6),
+        },
+    ),
+    "docs/options.md": PageSpec(
+        urls={
+            PAGE_PG: Service("pg+schema"),
             "redis://localhost:6379/0": Service("redis", 12),
             "redis://localhost:6379/1": Service("redis", 12),
+        },
+    ),
+    "docs/behaviour.md": PageSpec(
+        urls={
+            PAGE_PG: Service("pg+schema"),
+            "redis://localhost:6379/0": Service("redis", 7),
+            "redis://localhost:6379/1": Service("redis", 7),
         },
     ),
     "docs/mariadb.md": PageSpec(urls={"mysql://app:secret@db:3306/app": Service("maria")}),
