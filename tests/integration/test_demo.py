@@ -115,7 +115,7 @@ def installed_taskguard(tmp_path_factory: pytest.TempPathFactory) -> Path:
         check=True,
         cwd=base,
     )
-    wheel = next(dist.glob("taskguard-*.whl"))
+    wheel = next(dist.glob("taskguard_sql-*.whl"))
     assert any(n.startswith("taskguard/demo/") for n in zipfile.ZipFile(wheel).namelist())
     env_dir = base / "venv"
     venv.EnvBuilder(with_pip=False).create(env_dir)
