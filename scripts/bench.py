@@ -74,7 +74,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def _versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
     for dist in (
-        "taskguard",
+        "taskguard-sql",
         "psycopg",
         "SQLAlchemy",
         "redis",

@@ -10,7 +10,7 @@ drives 8 worker processes that log every grant/renewal/release/fenced write with
 database timestamps, injects faults (reaper in a tight loop, crash-restarts,
 SIGSTOP/SIGCONT, SIGKILL, connection cuts around COMMIT, bad input, failover to a
 synchronous standby with an asynchronous negative control, a renewing holder cut off
-by a network partition or a frozen database) and checks the histories. Prints the figures (docs/reliability.md quotes them) and writes
+by a network partition or a frozen database) and checks the histories. Prints the figures (docs/evidence/reliability-runs.md quotes them) and writes
 them as JSON with ``--out``. Exit status 1 if any invariant was violated.
 """
 

@@ -1,4 +1,4 @@
-"""Prometheus metrics for taskguard (optional: ``pip install 'taskguard[prometheus]'``).
+"""Prometheus metrics for taskguard (optional: ``pip install 'taskguard-sql[prometheus]'``).
 
 Nothing here imports ``prometheus_client`` until :func:`install` is called, and
 nothing else in taskguard imports this module. Call it once per process, e.g. in
@@ -92,7 +92,7 @@ class TaskGuardMetrics:
             import prometheus_client as prom
         except ImportError:
             raise ConfigurationError(
-                "taskguard metrics need prometheus-client: pip install 'taskguard[prometheus]'"
+                "taskguard metrics need prometheus-client: pip install 'taskguard-sql[prometheus]'"
             ) from None
         if registry is None:
             registry = prom.REGISTRY

@@ -8,7 +8,8 @@ Celery's default queue ``celery`` can meet:
      8  tests/journey/test_journey_djangofeeds.py
      9  tests/journey/test_journey_alembic.py
     10  tests/journey/test_journey_install.py
-    12  docs/guide.md (broker and results; its coalesce example starts a worker)
+    12  docs/options.md (broker and results; its coalesce example starts a worker)
+     6  docs/getting-started.md, 7 docs/behaviour.md (no worker)
     14  the docs' pages (broker), 15 (results)
 
 (0 is the shared suite's, with a queue per test; 11 the benchmarks'; 13 the demo's.)

@@ -1,7 +1,7 @@
 """Celery integration: ``@guarded_task`` and the :class:`GuardedTask` base class.
 
-See docs/guide.md for the user guide (lock phases, conflict strategies, keys,
-TTL and renewal, retries, eager mode, fencing tokens, signals, configuration).
+For users: docs/options.md (keys, lock phases, conflict strategies, TTL and renewal,
+settings) and docs/behaviour.md (retries, eager mode, fencing tokens, signals).
 """
 
 from taskguard.celery import startup as _startup  # noqa: F401  (connects the start-up check)

@@ -83,9 +83,9 @@ def make_app(*, broker: str, result_backend: str, database_url: str, queue: str)
 
 #: URL scheme -> what installs the modules its kombu transport or Celery backend imports.
 _EXTRAS = {
-    "redis": "pip install 'taskguard[redis]'",
-    "rediss": "pip install 'taskguard[redis]'",
-    "sentinel": "pip install 'taskguard[redis]'",
+    "redis": "pip install 'taskguard-sql[redis]'",
+    "rediss": "pip install 'taskguard-sql[redis]'",
+    "sentinel": "pip install 'taskguard-sql[redis]'",
 }
 
 

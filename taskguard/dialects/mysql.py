@@ -271,7 +271,7 @@ class MariaDB(Dialect):
     label = "MariaDB"
     aliases = ("mariadb",)
     drivers = {
-        "mysqldb": Driver("MySQLdb", "mysql", "mysqlclient: pip install 'taskguard[mysql]'"),
+        "mysqldb": Driver("MySQLdb", "mysql", "mysqlclient: pip install 'taskguard-sql[mysql]'"),
         "pymysql": Driver("pymysql", "mysql+pymysql", "PyMySQL: pip install PyMySQL"),
     }
     naive_timestamps = True

@@ -10,7 +10,19 @@ import re
 
 from tests.docs.runner import Page, PageSpec, Service
 
-PAGE_PG = "postgresql+psycopg://app@127.0.0.1:5432/app"
+# -- README.md: the Quickstart's two submissions of one feed: one ran, one skipped ----
+
+#: The lock database of the README's tasks.py (a journey moves it elsewhere).
+QUICKSTART_DB = "sqlite:///locks.db"
+QUICKSTART_CALLS = "calls = [import_feed.delay(url), import_feed.delay(url)]"
+
+
+def _one_ran_one_skipped(page: Page, out: str) -> None:
+    lines = sorted(out.split("\n")[:-1])
+    assert lines == [
+        "imported https://example.com/feeds/news.rss",
+        "skipped: another worker is importing it",
+    ], out
 
 
 # -- docs/operations.md: the SQL section's queries find the holders it names ----------
@@ -59,16 +71,39 @@ def _force_released(page: Page, out: str) -> None:
         guard.dispose()
 
 
-SHOP = "postgresql+psycopg://app@127.0.0.1:5432/shop"
+# -- docs/alembic.md: the reader's own revision is based on their head -------------
 
-GUIDE_PG = "postgresql+psycopg://app@db/app"
+SHOP = "postgresql+psycopg://app@127.0.0.1:5432/shop"
+OWN_REVISION = 'alembic revision -m "add notes to orders" --head 5f2c1a9d0e11'
+
+
+def _own_revision(page: Page, out: str) -> None:
+    [path] = (page.dir / "migrations" / "versions").glob("*_add_notes_to_orders.py")
+    assert re.search(r"^down_revision\b.*5f2c1a9d0e11", path.read_text(), re.M), path.read_text()
+
+
+PAGE_PG = "postgresql+psycopg://app@db/app"
 
 PAGES: dict[str, PageSpec] = {
-    "docs/guide.md": PageSpec(
+    "docs/getting-started.md": PageSpec(
         urls={
-            GUIDE_PG: Service("pg+schema"),
+            PAGE_PG: Service("pg+schema"),
+            "redis://localhost:6379/0": Service("redis", 6),
+            "redis://localhost:6379/1": Service("redis", 6),
+        },
+    ),
+    "docs/options.md": PageSpec(
+        urls={
+            PAGE_PG: Service("pg+schema"),
             "redis://localhost:6379/0": Service("redis", 12),
             "redis://localhost:6379/1": Service("redis", 12),
+        },
+    ),
+    "docs/behaviour.md": PageSpec(
+        urls={
+            PAGE_PG: Service("pg+schema"),
+            "redis://localhost:6379/0": Service("redis", 7),
+            "redis://localhost:6379/1": Service("redis", 7),
         },
     ),
     "docs/mariadb.md": PageSpec(urls={"mysql://app:secret@db:3306/app": Service("maria")}),
@@ -80,13 +115,14 @@ PAGES: dict[str, PageSpec] = {
             "way1": ("The example application", "Way 1", "Switching from way 1 to way 2"),
             "way2": ("The example application", "Way 2"),
         },
+        checks={OWN_REVISION: _own_revision},
     ),
     "README.md": PageSpec(
         urls={
-            PAGE_PG: Service("pg"),
             "redis://127.0.0.1:6379/0": Service("redis", 14),
             "redis://127.0.0.1:6379/1": Service("redis", 15),
         },
+        checks={QUICKSTART_CALLS: _one_ran_one_skipped},
     ),
     "docs/operations.md": PageSpec(
         sql=Service("pg+schema"),

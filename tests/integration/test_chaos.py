@@ -1,5 +1,5 @@
 """Quick variants of the chaos checks (issue #7, items 1-6); the full run is
-``python scripts/chaos.py`` (docs/reliability.md).
+``python scripts/chaos.py`` (docs/evidence/reliability-runs.md).
 
 Real OS processes, real PostgreSQL (the shared server, plus a throwaway cluster
 created with initdb for the crash tests) and SQLite where it applies. Every

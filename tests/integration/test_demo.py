@@ -115,7 +115,7 @@ def installed_taskguard(tmp_path_factory: pytest.TempPathFactory) -> Path:
         check=True,
         cwd=base,
     )
-    wheel = next(dist.glob("taskguard-*.whl"))
+    wheel = next(dist.glob("taskguard_sql-*.whl"))
     assert any(n.startswith("taskguard/demo/") for n in zipfile.ZipFile(wheel).namelist())
     env_dir = base / "venv"
     venv.EnvBuilder(with_pip=False).create(env_dir)
@@ -268,7 +268,7 @@ def test_demo_names_the_extra_when_a_transport_cannot_be_imported(tmp_path: Path
     assert run.returncode == 2, f"{run.stdout}\n{run.stderr}"
     line = run.stderr.strip()
     assert "\n" not in line and line.startswith("taskguard: the redis:// broker needs"), line
-    assert "No module named 'packaging'" in line and "pip install 'taskguard[redis]'" in line
+    assert "No module named 'packaging'" in line and "pip install 'taskguard-sql[redis]'" in line
     assert not locks.exists()  # nothing was created before the refusal
 
 

@@ -1,6 +1,6 @@
 """Failover to a synchronous standby while 8 processes contend: the short version of
 ``scripts/chaos.py``'s ``10_failover`` phase (one failover; the full run and the
-asynchronous negative control are in docs/reliability.md).
+asynchronous negative control are in docs/evidence/reliability-runs.md).
 
 A throwaway primary and a standby (initdb, ``pg_basebackup -R``,
 ``synchronous_standby_names = '*'``) on free ports; the contenders use a multi-host

@@ -18,7 +18,7 @@ while the first runs work. Then, per case:
   run, queue_and_run and wait submission completed a run of its own;
 * nothing hangs: all of that within :data:`SETTLE` seconds of the fault ending.
 
-The table printed at the end is the one in docs/reliability.md ("The fault matrix").
+The table printed at the end is the one in docs/evidence/reliability-runs.md ("The fault matrix").
 """
 
 from __future__ import annotations

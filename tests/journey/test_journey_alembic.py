@@ -15,7 +15,7 @@ import re
 import pytest
 
 from tests.docs.blocks import REPO, Block
-from tests.docs.pages import PAGE_PG, PAGES, SHOP
+from tests.docs.pages import PAGES, QUICKSTART_DB, SHOP
 from tests.docs.plugin import runs
 from tests.docs.runner import BACKGROUND, Page
 from tests.services import redis_db
@@ -32,7 +32,7 @@ def _quickstart_tasks(page: Page) -> str:
     """The README's tasks.py on this page's database and the journey's Redis."""
     [tasks] = [b for b in runs(REPO / "README.md") if b.kind == "file"]
     broker = redis_db(JOURNEY_REDIS)
-    text = tasks.body.replace(PAGE_PG, page.urls[SHOP])
+    text = tasks.body.replace(QUICKSTART_DB, page.urls[SHOP])
     return re.sub(r"redis://127\.0\.0\.1:6379/\d+", broker, text)
 
 

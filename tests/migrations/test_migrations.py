@@ -137,7 +137,7 @@ def test_installed_wheel_migrates_an_existing_database(tmp_path: Path, empty_pg_
         ],
         check=True,
     )
-    wheel = next(dist.glob("taskguard-*.whl"))
+    wheel = next(dist.glob("taskguard_sql-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "taskguard/migrations/env.py" in names
     assert any(n.startswith("taskguard/migrations/versions/0001_") for n in names)

@@ -117,4 +117,4 @@ def test_install_without_the_extra_names_it() -> None:
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
-    assert "pip install 'taskguard[prometheus]'" in proc.stdout
+    assert "pip install 'taskguard-sql[prometheus]'" in proc.stdout

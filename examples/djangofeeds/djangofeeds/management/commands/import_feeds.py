@@ -7,14 +7,21 @@ By default a real Celery worker (threads pool) runs inside this command, on the
 broker in the settings (the embedded SQLite broker unless DJANGOFEEDS_BROKER is
 set). ``--no-worker`` publishes to workers started elsewhere
 (``celery -A feedsite worker``).
+
+The skipped duplicates are the point of the command, and each is logged at WARNING
+with the key and its holder: this command writes taskguard's log lines to
+``import_feeds.log`` next to the database (``-v 2`` prints them too), not
+between you and the table. Workers started elsewhere log as usual.
 """
 
 import contextlib
+import logging
 import uuid
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 from feedsite.celery import app
@@ -54,6 +61,12 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         call_command("migrate", verbosity=0)  # the feeds' tables and taskguard's
+        log_file = settings.VAR_DIR / "import_feeds.log"
+        with _taskguard_log(log_file, echo=options["verbosity"] > 1):
+            self._import(options)
+        self.stdout.write(f"Every lock conflict, with its holder: {log_file}")
+
+    def _import(self, options: dict[str, Any]) -> None:
         queue = options["queue"]
         app.conf.task_default_queue = queue
         feeds = [f"https://example.com/feeds/{n}.rss" for n in range(options["feeds"])]
@@ -88,3 +101,24 @@ class Command(BaseCommand):
         if not ok:
             raise CommandError("a feed was imported more than once at a time, or a call was lost")
         self.stdout.write("OK: every feed was imported by one worker at a time")
+
+
+@contextlib.contextmanager
+def _taskguard_log(path: Any, echo: bool) -> Any:
+    """taskguard's log lines to ``path`` (and to stderr as well with ``echo``)."""
+    handlers: list[logging.Handler] = [logging.FileHandler(path, encoding="utf-8")]
+    if echo:
+        handlers.append(logging.StreamHandler())
+    logger = logging.getLogger("taskguard")
+    propagate = logger.propagate
+    logger.propagate = False
+    for handler in handlers:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+        logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.propagate = propagate
+        for handler in handlers:
+            logger.removeHandler(handler)
+            handler.close()
