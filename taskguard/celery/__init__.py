@@ -5,13 +5,12 @@ settings) and docs/behaviour.md (retries, eager mode, fencing tokens, signals).
 """
 
 from taskguard.celery import startup as _startup  # noqa: F401  (connects the start-up check)
-from taskguard.celery.decorator import guarded_task
-from taskguard.celery.keys import KeyDeriver, args_digest, canonical
 from taskguard.celery.options import CONFLICT_STRATEGIES, LOCK_PHASES
 from taskguard.celery.renewal import check_lease, current_lease
 from taskguard.celery.results import MARKER, SKIPPED, is_skipped, skipped_result
-from taskguard.celery.task import GuardedTask
+from taskguard.celery.task import GuardedTask, guarded_task
 from taskguard.celery.worker import GuardedRequest
+from taskguard.keys import KeyDeriver, args_digest, canonical
 
 __all__ = [
     "CONFLICT_STRATEGIES",

@@ -31,7 +31,7 @@ from typing import Any, NoReturn
 from celery.exceptions import Ignore, Reject, Retry
 
 from taskguard import signals
-from taskguard.celery.taskids import stored_task_id
+from taskguard.celery.header import stored_task_id
 from taskguard.companions import FINISHED_PREFIX
 from taskguard.config import setting
 from taskguard.guard import TaskGuard

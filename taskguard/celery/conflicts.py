@@ -21,11 +21,10 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from taskguard import signals
-from taskguard.celery.countdowns import conflict_countdown
-from taskguard.celery.header import HEADER, Header
+from taskguard.celery.deferral import conflict_countdown
+from taskguard.celery.header import HEADER, Header, is_shortened
 from taskguard.celery.leasing import describe_holder
 from taskguard.celery.results import answered, in_canvas, skipped_result
-from taskguard.celery.taskids import is_shortened
 from taskguard.exceptions import AlreadyLocked, ConfigurationError
 from taskguard.lease import LockInfo
 

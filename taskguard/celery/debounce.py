@@ -23,14 +23,13 @@ from typing import Any
 from celery.utils import uuid
 
 from taskguard.celery import pending
-from taskguard.celery.header import HEADER, Header
+from taskguard.celery.header import HEADER, Header, stored_task_id
 from taskguard.celery.leasing import (
     acquire_or_holder,
     clamp_ttl,
     lease_from_info,
     release_quietly,
 )
-from taskguard.celery.taskids import stored_task_id
 from taskguard.companions import companion_key
 from taskguard.config import guard_for
 from taskguard.guard import TaskGuard

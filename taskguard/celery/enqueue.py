@@ -23,8 +23,8 @@ from celery.utils import uuid
 
 from taskguard import signals
 from taskguard.celery import debounce, pending
-from taskguard.celery.countdowns import publish_delay
-from taskguard.celery.header import HEADER, Header
+from taskguard.celery.deferral import publish_delay
+from taskguard.celery.header import HEADER, Header, stored_task_id
 from taskguard.celery.leasing import (
     acquire_or_holder,
     clamp_ttl,
@@ -32,7 +32,6 @@ from taskguard.celery.leasing import (
     release_quietly,
     send_released,
 )
-from taskguard.celery.taskids import stored_task_id
 from taskguard.config import guard_for
 
 __all__ = ["publish"]

@@ -17,14 +17,13 @@ import logging
 from typing import Any
 
 from taskguard import signals
-from taskguard.celery.header import Header
+from taskguard.celery.header import Header, stored_task_id
 from taskguard.celery.leasing import (
     acquire_or_holder,
     held_seconds,
     release_quietly,
     send_released,
 )
-from taskguard.celery.taskids import stored_task_id
 from taskguard.guard import TaskGuard
 from taskguard.lease import Lease, LockInfo
 

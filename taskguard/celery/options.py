@@ -19,10 +19,9 @@ from functools import cached_property
 from typing import Any
 
 from taskguard.celery.conflicts import SKIP, STRATEGIES, Strategy, check_options, strategy_named
-from taskguard.celery.keys import KeyDeriver, KeyOption
 from taskguard.celery.rate import BUSY, Rate, parse_rate
 from taskguard.exceptions import ConfigurationError, InvalidTTL
-from taskguard.keys import validate_limit, validate_ttl
+from taskguard.keys import KeyDeriver, KeyOption, validate_limit, validate_ttl
 
 __all__ = [
     "ATTR_PREFIX",

@@ -41,9 +41,8 @@ from typing import Any
 from celery.utils import uuid
 
 from taskguard import signals
-from taskguard.celery.countdowns import MAX_POLL, poll_countdown, publish_delay
-from taskguard.celery.deferral import defer
-from taskguard.celery.header import HEADER, Header
+from taskguard.celery.deferral import MAX_POLL, defer, poll_countdown, publish_delay
+from taskguard.celery.header import HEADER, Header, stored_task_id
 from taskguard.celery.leasing import (
     acquire_or_holder,
     clamp_ttl,
@@ -51,7 +50,6 @@ from taskguard.celery.leasing import (
     release_quietly,
 )
 from taskguard.celery.results import MARKER, answered, has_marker
-from taskguard.celery.taskids import stored_task_id
 from taskguard.companions import companion_key
 from taskguard.config import guard_for
 from taskguard.exceptions import TaskGuardError

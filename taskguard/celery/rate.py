@@ -22,10 +22,9 @@ from typing import Any
 
 from taskguard import signals
 from taskguard.celery.conflicts import Strategy
-from taskguard.celery.countdowns import poll_countdown
-from taskguard.celery.deferral import defer
+from taskguard.celery.deferral import defer, poll_countdown
+from taskguard.celery.header import stored_task_id
 from taskguard.celery.leasing import acquire_or_holder, describe_holder, release_quietly
-from taskguard.celery.taskids import stored_task_id
 from taskguard.companions import companion_key
 from taskguard.exceptions import ConfigurationError
 from taskguard.guard import TaskGuard

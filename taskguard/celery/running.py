@@ -11,7 +11,7 @@ way out (return, exception, Reject, Ignore, soft time limit) gives it back exact
 once, with the finished record in the same statement; a ``retry()`` hands it to
 the retry message instead. A copy of a task id that already finished is dropped
 (see :mod:`taskguard.celery.completions`). An outage before the body started puts
-the run off (:mod:`taskguard.celery.outage`).
+the run off (:mod:`taskguard.celery.deferral`).
 """
 
 from __future__ import annotations
@@ -21,15 +21,20 @@ import time
 from typing import Any
 
 from taskguard import signals
-from taskguard.celery import completions, debounce, handoff, outage, pending, rate
+from taskguard.celery import completions, debounce, deferral, handoff, pending, rate
 from taskguard.celery.conflicts import RETRY
 from taskguard.celery.deferral import defer
-from taskguard.celery.header import Header
-from taskguard.celery.interrupt import Interrupter
+from taskguard.celery.header import Header, stored_task_id
 from taskguard.celery.leasing import release_quietly, send_released
-from taskguard.celery.renewal import ActiveRun, Heartbeat, enter_run, exit_run, valid_until
+from taskguard.celery.renewal import (
+    ActiveRun,
+    Heartbeat,
+    Interrupter,
+    enter_run,
+    exit_run,
+    valid_until,
+)
 from taskguard.celery.results import is_marker
-from taskguard.celery.taskids import stored_task_id
 from taskguard.config import guard_for, setting
 from taskguard.exceptions import DatabaseUnavailable
 from taskguard.keys import validate_ttl
@@ -73,7 +78,7 @@ class Run(ActiveRun):
         try:
             return self._admit()
         except DatabaseUnavailable as exc:  # before the body started: tried again later
-            raise outage.retry_later(self, exc) from None
+            raise deferral.retry_later(self, exc) from None
         finally:
             exit_run(token)
 

@@ -39,14 +39,13 @@ from celery.worker.request import Request
 from kombu.asynchronous import get_event_loop
 
 from taskguard.celery import pending
-from taskguard.celery.header import Header
+from taskguard.celery.header import Header, stored_task_id
 from taskguard.celery.leasing import (
     held_seconds,
     lease_from_info,
     release_quietly,
     send_released,
 )
-from taskguard.celery.taskids import stored_task_id
 from taskguard.config import guard_for
 from taskguard.lease import Lease
 

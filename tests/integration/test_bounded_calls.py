@@ -190,8 +190,14 @@ def _hold_through(
     """A guarded run on ``holder`` (renewed, stop_on_lease_loss armed, the body
     polling check_lease()); ``freeze()`` after its first renewal while ``other``
     keeps trying to take the key; ``thaw()`` once the other got it (or gave up)."""
-    from taskguard.celery.interrupt import Interrupter
-    from taskguard.celery.renewal import ActiveRun, Heartbeat, check_lease, enter_run, exit_run
+    from taskguard.celery.renewal import (
+        ActiveRun,
+        Heartbeat,
+        Interrupter,
+        check_lease,
+        enter_run,
+        exit_run,
+    )
 
     out = Holding()
     lease = holder.acquire(key, ttl)

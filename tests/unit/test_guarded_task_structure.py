@@ -18,10 +18,10 @@ from celery import Celery
 from celery.exceptions import Ignore
 
 from taskguard import GuardedTask, LeaseLost, TaskGuard, guarded_task, signals
-from taskguard.celery import completions, decorator
-from taskguard.celery.interrupt import Interrupter
+from taskguard.celery import completions, task
+from taskguard.celery.header import MAX_STORED_ID, is_shortened, stored_task_id
 from taskguard.celery.options import ATTR_PREFIX, OPTION_NAMES, option_defaults
-from taskguard.celery.taskids import MAX_STORED_ID, is_shortened, stored_task_id
+from taskguard.celery.renewal import Interrupter
 from taskguard.config import reset_guards
 
 PACKAGE = Path(__file__).resolve().parents[2] / "taskguard"
@@ -29,7 +29,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "taskguard"
 
 def test_the_decorator_overload_names_every_option_once() -> None:
     # The typed overload is for type checkers; it must list exactly the dataclass fields.
-    overloads = typing.get_overloads(decorator.guarded_task)
+    overloads = typing.get_overloads(task.guarded_task)
     params = inspect.signature(overloads[-1]).parameters
     named = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY and n != "app"]
     assert named == list(OPTION_NAMES)

@@ -18,9 +18,8 @@ from hypothesis import strategies as st
 from kombu.utils import json as kombu_json
 
 from taskguard import ConfigurationError, InvalidKey
-from taskguard.celery.keys import KeyDeriver, args_digest, canonical, canonical_json
 from taskguard.celery.options import build_options, signature_of
-from taskguard.keys import MAX_KEY_LENGTH
+from taskguard.keys import MAX_KEY_LENGTH, KeyDeriver, args_digest, canonical, canonical_json
 
 
 def fetch(feed_url: str, force: bool = False, *, limit: int = 10) -> None: ...

@@ -24,12 +24,12 @@ STORE_USERS = {"taskguard.guard", "taskguard.waiting", "taskguard.preflight", "t
 #: The Celery integration's layers, bottom first (docs/architecture.md): a module
 #: imports modules of its own layer or below, never above.
 CELERY_LAYERS = (
-    # the message: what it carries, task ids, markers, countdowns, keys
-    ("header", "taskids", "results", "countdowns", "keys", "interrupt"),
-    # the held lease: taking and giving back, its clock and renewal, finished records
+    # the message: what it carries (and task ids as stored), the markers
+    ("header", "results"),
+    # the held lease: taking and giving back, its clock, renewal and loss, finished records
     ("leasing", "renewal", "completions"),
-    # deferred runs: re-published copies, outages, leases handed over in a message
-    ("deferral", "outage", "handoff"),
+    # deferred runs: countdowns, re-published copies, outages; leases handed over in a message
+    ("deferral", "handoff"),
     # behaviours: conflict strategies, rates, pending runs, debounce
     ("conflicts", "rate", "pending", "debounce"),
     # the options, declared once (they name the behaviours)
@@ -37,7 +37,7 @@ CELERY_LAYERS = (
     # the two sides of a guarded call, and the worker's hooks
     ("enqueue", "running", "worker"),
     # the task surface
-    ("task", "decorator", "startup", "reaper", ""),
+    ("task", "startup", "reaper", ""),
 )
 
 
