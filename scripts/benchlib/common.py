@@ -133,7 +133,7 @@ def scratch_db(env: Env, tag: str, *, migrate: bool = True) -> Iterator[str]:
         drop_database(env, name)
 
 
-def _maria_admin(env: Env) -> Any:
+def maria_admin(env: Env) -> Any:
     import MySQLdb
 
     u = make_url(env.mariadb_url)
@@ -147,7 +147,7 @@ def _maria_admin(env: Env) -> Any:
 def maria_scratch_db(env: Env, tag: str) -> Iterator[str]:
     """A fresh, migrated MariaDB database for one benchmark; yields its URL, drops it after."""
     name = f"tgbench_{tag}_{env.run_id}"
-    conn = _maria_admin(env)
+    conn = maria_admin(env)
     try:
         conn.cursor().execute(f"DROP DATABASE IF EXISTS `{name}`")
         conn.cursor().execute(f"CREATE DATABASE `{name}`")

@@ -17,7 +17,6 @@ from contextlib import ExitStack
 from typing import Any
 
 import psycopg
-from chaoslib.pgbouncer import PgBouncer
 from sqlalchemy.engine import make_url
 
 from benchlib import cpu
@@ -33,6 +32,7 @@ from benchlib.common import (
 )
 from taskguard import TaskGuard
 from taskguard.dialects import lock_sql_for
+from tests.harness.pgbouncer import PgBouncer
 
 TTL = 60.0
 # On a direct connection taskguard prepares named statements (psycopg's threshold, 5);

@@ -31,7 +31,6 @@ import importlib.util
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,12 +43,12 @@ from types import ModuleType
 from typing import Any
 
 import redis
-from chaoslib.cluster import ThrowawayCluster, free_port
-from chaoslib.servers import PrivateServer
 
 from benchlib import cpu
 from benchlib.common import Env, Row, not_run
 from taskguard import schema
+from tests.harness.postgres import ThrowawayCluster
+from tests.harness.servers import PrivateRedis
 
 SCRIPTS = Path(__file__).resolve().parent.parent
 SECTION = "7. split"
@@ -84,46 +83,6 @@ def rows() -> list[Row]:
         r("minimal", "trivial task, the minimal correct lock by hand in its body"),
         r("queue_and_run", 'trivial task, @guarded_task(lock="queue_and_run")'),
     ]
-
-
-class PrivateRedis(PrivateServer):
-    """``redis-server`` on a free loopback port, nothing kept on disk, pinned to ``core``."""
-
-    def __init__(self, core: int) -> None:
-        self.port = free_port()
-        self.core = core
-        self.dir = Path(tempfile.mkdtemp(prefix="tgbench-redis-"))
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("redis-server is not installed (Debian package redis-server)")
-        self.proc = subprocess.Popen(
-            ["taskset", "-c", str(self.core), binary, "--port", str(self.port),
-             "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(self.dir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        deadline = time.monotonic() + 20
-        while True:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port)):
-                return
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not start on port {self.port}")
-            time.sleep(0.05)
-
-    def url(self, db: int) -> str:
-        return f"redis://127.0.0.1:{self.port}/{db}"
-
-    def destroy(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(10)
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait(5)
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _pin_tree(pid: int, core: int) -> None:
@@ -258,7 +217,7 @@ def run(env: Env) -> list[Row]:
             row.status = "not run: not in TGBENCH_SPLIT_VARIANTS"
     with contextlib.ExitStack() as stack:
         pg = stack.enter_context(ThrowawayCluster(PG_SETTINGS))
-        postmaster = int((pg.data / "postmaster.pid").read_text().split()[0])
+        postmaster = pg.postmaster()
         _pin_tree(postmaster, server_core)
         broker = stack.enter_context(PrivateRedis(server_core))
         url = pg.create_database("tgsplit")

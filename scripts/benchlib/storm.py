@@ -36,9 +36,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
-from benchlib import memcached
 from benchlib.common import Env, Row, scratch_db
 from taskguard.demo.record import max_concurrency
+from tests.harness.servers import PrivateMemcached
 
 SCRIPTS = Path(__file__).resolve().parent.parent
 SECTION = "5. storm"
@@ -277,13 +277,13 @@ def run(env: Env) -> list[Row]:
     prefix = f"{env.redis_prefix}storm:"
     redis_url = storm_redis_url(env)
     r = redis.Redis.from_url(redis_url)
-    with memcached.running() as mc, scratch_db(env, "storm") as db_url:
+    with PrivateMemcached() as mc, scratch_db(env, "storm") as db_url:
         os.environ.update(
             TGBENCH_BROKER=env.amqp_url,
             TGBENCH_STORM_QUEUE=f"tgbench.storm.{env.run_id}",
             TGBENCH_STORM_DB_URL=db_url,
             TGBENCH_STORM_REDIS_URL=redis_url,
-            TGBENCH_STORM_MEMCACHED=mc,
+            TGBENCH_STORM_MEMCACHED=mc.address,
             TGBENCH_STORM_PREFIX=prefix,
         )
         app = importlib.import_module("benchlib.storm_app")
