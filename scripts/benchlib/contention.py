@@ -60,17 +60,19 @@ def _short(exc: Exception) -> str:
     """An error's first line, with the names that differ per call folded."""
     text = (str(exc).strip() or type(exc).__name__).splitlines()[0]
     for pattern, fold in (
+        (r"\S+://\S+", "<url>"),
         (r"_pg3_\d+", "_pg3_*"),
         (r"\d+ param", "N param"),
         (r"[0-9a-f]{32}", "*"),
     ):
         text = re.sub(pattern, fold, text)
-    return f"{type(exc).__name__}: {text[:120]}"
+    return f"{type(exc).__name__}: {text[:160]}"
 
 
 def _worker(
     queue: Any,
     url: str,
+    prefix: str,
     nkeys: int,
     counters: Any,
     barrier: Any,
@@ -98,7 +100,7 @@ def _worker(
             t0 = now_ns()
             attempts += 1
             try:
-                lease = guard.acquire(f"bench:c:{k}", TTL)
+                lease = guard.acquire(f"{prefix}{k}", TTL)
             except Exception as exc:
                 errors[_short(exc)] += 1
                 continue
@@ -141,8 +143,9 @@ def _one(env: Env, row: Row, url: str, nkeys: int, options: dict[str, Any] | Non
     ctx = mp.get_context("fork")
     counters = ctx.Array("i", nkeys)
     barrier = ctx.Barrier(PROCESSES)
+    prefix = f"bench:{row.id}:"  # a row's own keys: the control row's may stay held
     args = [
-        (url, nkeys, counters, barrier, duration, 200_000, seed, options or {})
+        (url, prefix, nkeys, counters, barrier, duration, 200_000, seed, options or {})
         for seed in range(PROCESSES)
     ]
     results = run_children(_worker, args, timeout=duration + 90)
@@ -151,8 +154,9 @@ def _one(env: Env, row: Row, url: str, nkeys: int, options: dict[str, Any] | Non
         raise RuntimeError(f"{len(errors)} worker(s) failed: {errors[0]}")
     with psycopg.connect(libpq_url(url), autocommit=True) as conn:
         live = conn.execute(
-            "SELECT count(*) FROM task_locks WHERE key LIKE 'bench:c:%%' "
-            "AND expires_at > statement_timestamp()"
+            "SELECT count(*) FROM task_locks WHERE key LIKE %s "
+            "AND expires_at > statement_timestamp()",
+            (f"{prefix}%",),
         ).fetchone()[0]  # type: ignore[index]
     grants = sum(r["grants"] for r in results)
     attempts = sum(r["attempts"] for r in results)
