@@ -30,7 +30,6 @@ import contextlib
 import importlib.util
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -45,12 +44,11 @@ from typing import Any
 import redis
 
 from benchlib import cpu
-from benchlib.common import Env, Row, not_run
+from benchlib.common import SCRIPTS, Env, Row, not_run, start_worker, stop_worker
 from taskguard import schema
 from tests.harness.postgres import ThrowawayCluster
 from tests.harness.servers import PrivateRedis
 
-SCRIPTS = Path(__file__).resolve().parent.parent
 SECTION = "7. split"
 #: The private cluster's settings: durable commits as the system server's (fsync and
 #: synchronous_commit on, their defaults), autovacuum off as there (its runs would
@@ -146,37 +144,21 @@ def _start_worker(
     name: str, queue: str, core: int, concurrency: int, values: dict[str, str], run_id: str
 ) -> _Worker:
     log = Path(tempfile.gettempdir()) / f"tgbench_split_{run_id}_{name}.log"
-    cmd = [
-        "taskset", "-c", str(core), sys.executable, "-m", "celery", "-A", "benchlib.e2e_app",
-        "worker", "-P", "prefork", "-c", str(concurrency), "-l", "WARNING", "-Q", queue,
-        "--without-gossip", "--without-mingle", "--without-heartbeat",
-        "-n", f"tgsplit-{name}-{run_id}@%h",
-    ]  # fmt: skip
-    penv = {
-        **os.environ,
-        **values,
-        "TGBENCH_QUEUE": queue,
-        "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]),
-    }
     with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            cmd, cwd=SCRIPTS, env=penv, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
+        proc = start_worker(
+            "e2e_app",
+            f"tgsplit-{name}-{run_id}",
+            concurrency,
+            out,
+            core=core,
+            queue=queue,
+            environ={**values, "TGBENCH_QUEUE": queue},
+        )
     return _Worker(name, queue, proc, log)
 
 
 def _stop_worker(worker: _Worker) -> None:
-    proc = worker.proc
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(15)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(5)
+    stop_worker(worker.proc)
     with contextlib.suppress(OSError):
         worker.log.unlink()
 

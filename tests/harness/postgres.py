@@ -47,7 +47,11 @@ class ThrowawayCluster(CrashableServer):
         self.data = self.dir / "data"
         self.logfile = self.dir / "server.log"
         self.running = False
-        self._create()
+        try:
+            self._create()
+        except BaseException:
+            self.destroy()
+            raise
 
     def _create(self) -> None:
         self._pg(

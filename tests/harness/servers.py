@@ -82,7 +82,7 @@ class PrivateServer:
     def tail_log(self, lines: int = 20) -> str:
         try:
             return "\n".join(self.logfile.read_text(errors="replace").splitlines()[-lines:])
-        except (OSError, AttributeError):
+        except OSError:
             return ""
 
     def __enter__(self) -> Self:
