@@ -18,12 +18,12 @@ import psycopg
 
 from tests.harness.servers import PrivateServer, as_user, free_port, give, private_dir
 
-__all__ = ["PgBouncer", "pgbouncer_binary", "pgbouncer_version"]
+__all__ = ["PgBouncer"]
 
 _OS_USER = "postgres"
 
 
-def pgbouncer_binary() -> str:
+def _binary() -> str:
     """Path of the pgbouncer binary; a clear error naming the fix when it is missing."""
     found = shutil.which("pgbouncer") or (
         "/usr/sbin/pgbouncer" if os.access("/usr/sbin/pgbouncer", os.X_OK) else None
@@ -31,14 +31,6 @@ def pgbouncer_binary() -> str:
     if found is None:
         raise RuntimeError("pgbouncer is not installed: run `bash scripts/services.sh`")
     return found
-
-
-def pgbouncer_version() -> str:
-    """``PgBouncer 1.18.0`` (first line of ``pgbouncer --version``)."""
-    out = subprocess.run(
-        [pgbouncer_binary(), "--version"], capture_output=True, text=True, check=True
-    )
-    return out.stdout.splitlines()[0].strip()
 
 
 class PgBouncer(PrivateServer):
@@ -103,7 +95,7 @@ class PgBouncer(PrivateServer):
     def start(self, timeout: float = 20.0) -> None:
         # Foreground process (no -d): we own its pid and can always stop it.
         self.proc = subprocess.Popen(
-            as_user(_OS_USER, [pgbouncer_binary(), str(self.config)]),
+            as_user(_OS_USER, [_binary(), str(self.config)]),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,

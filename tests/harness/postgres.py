@@ -54,13 +54,8 @@ class ThrowawayCluster(CrashableServer):
             raise
 
     def _create(self) -> None:
-        self._pg(
-            "initdb",
-            "-D",
-            str(self.data),
-            *["-U", "postgres", "--auth=trust", "--no-sync"],
-            *["-E", "UTF8", "--locale=C"],
-        )
+        options = "-U postgres --auth=trust --no-sync -E UTF8 --locale=C"
+        self._pg("initdb", "-D", str(self.data), *options.split())
 
     # -- lifecycle ---------------------------------------------------------------
 
