@@ -30,7 +30,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# benchlib is beside this file; the repository root holds the servers of tests.harness.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchlib import common, report
 
@@ -56,6 +57,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pg-url", default=DEFAULT_PG, help="SQLAlchemy URL of the PostgreSQL server")
     p.add_argument("--redis-url", default=DEFAULT_REDIS)
     p.add_argument("--amqp-url", default=DEFAULT_AMQP)
+    p.add_argument(
+        "--rows", action="store_true", help="print the id of every row the sections report, exit"
+    )
     p.add_argument(
         "--profile",
         type=int,
@@ -130,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     env = common.Env(
         pg_url=args.pg_url, redis_url=args.redis_url, amqp_url=args.amqp_url, quick=args.quick
     )
+    if args.rows:
+        for name in args.sections:
+            print("\n".join(row.id for row in importlib.import_module(f"benchlib.{name}").rows()))
+        return 0
     if args.profile:
         from benchlib import pairs
 

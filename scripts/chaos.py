@@ -26,11 +26,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The repository root: scripts.chaoslib and the servers of tests.harness.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from chaoslib import phases
-from chaoslib.cluster import ThrowawayCluster
-from chaoslib.mariadb_server import ThrowawayMariaDB
+from scripts.chaoslib import phases
+from tests.harness.mariadb import ThrowawayMariaDB
+from tests.harness.postgres import ThrowawayCluster
 
 FULL = {
     "grants": 100_000,
@@ -66,6 +67,52 @@ QUICK = {
 }
 
 
+Phase = tuple[str, Any, dict[str, Any]]
+
+
+def contended(server: Any, size: dict[str, int], prefix: str = "") -> list[Phase]:
+    """The contention phases (``phases.contended``) every server runs; ``prefix``
+    names the server's figures and sizes (``maria_``)."""
+    base = dict(cluster=server, crash_every=None, reaper_grace=None)
+    two_keys = dict(base, keys=("a", "b"))
+    reaped = dict(base, reaper_grace=0.05)
+    return [
+        (
+            f"{prefix}1_contention_reaper",
+            phases.contended,
+            dict(reaped, grants=size[f"{prefix}grants"], name="contention"),
+        ),
+        (
+            f"{prefix}2_crash_restarts",
+            phases.contended,
+            # Enough keys that some sit idle past the grace: the reaper deletes.
+            dict(
+                reaped,
+                grants=size[f"{prefix}crash_grants"],
+                name="crashes",
+                crash_every=3.0,
+                keys=tuple(f"k{i}" for i in range(32)),
+            ),
+        ),
+        (
+            f"{prefix}1_limit3",
+            phases.contended,
+            dict(two_keys, grants=size["limit_grants"], name="limit3", limit=3),
+        ),
+        (
+            f"{prefix}3_fenced_rmw",
+            phases.contended,
+            dict(two_keys, grants=size["fenced_grants"], name="fenced", fenced=True),
+        ),
+    ]
+
+
+def run(plan: list[Phase], skip: list[str], results: dict[str, Any]) -> None:
+    for name, fn, kwargs in plan:
+        if name not in skip:
+            results[name] = phases.timed(name, fn, **kwargs)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small version of every phase")
@@ -81,76 +128,20 @@ def main() -> int:
         "mode": "quick" if opts.quick else "full",
         "sizes": size,
     }
-    plan: list[tuple[str, Any, dict[str, Any]]] = []
     with ThrowawayCluster() as cluster, tempfile.TemporaryDirectory(prefix="tg-chaos-") as tmp:
+        waiting = dict(cluster=cluster, crash_every=None, reaper_grace=None, keys=("a", "b"))
+        cut_off = dict(cluster=cluster, rounds=size["cut_off_rounds"])
         plan = [
-            (
-                "1_contention_reaper",
-                phases.contended,
-                dict(
-                    cluster=cluster,
-                    grants=size["grants"],
-                    crash_every=None,
-                    reaper_grace=0.05,
-                    name="contention",
-                ),
-            ),
-            (
-                "2_crash_restarts",
-                phases.contended,
-                dict(
-                    cluster=cluster,
-                    grants=size["crash_grants"],
-                    crash_every=3.0,
-                    reaper_grace=0.05,
-                    name="crashes",
-                    # Enough keys that some sit idle past the grace: the reaper deletes.
-                    keys=tuple(f"k{i}" for i in range(32)),
-                ),
-            ),
+            *contended(cluster, size),
             (
                 "1_sqlite",
                 phases.contended_sqlite,
                 dict(tmp=Path(tmp), grants=size["sqlite_grants"]),
             ),
             (
-                "1_limit3",
-                phases.contended,
-                dict(
-                    cluster=cluster,
-                    grants=size["limit_grants"],
-                    crash_every=None,
-                    reaper_grace=None,
-                    name="limit3",
-                    limit=3,
-                    keys=("a", "b"),
-                ),
-            ),
-            (
                 "1_wait",
                 phases.contended,
-                dict(
-                    cluster=cluster,
-                    grants=size["limit_grants"],
-                    crash_every=None,
-                    reaper_grace=None,
-                    name="waiting",
-                    wait=0.05,
-                    keys=("a", "b"),
-                ),
-            ),
-            (
-                "3_fenced_rmw",
-                phases.contended,
-                dict(
-                    cluster=cluster,
-                    grants=size["fenced_grants"],
-                    crash_every=None,
-                    reaper_grace=None,
-                    name="fenced",
-                    fenced=True,
-                    keys=("a", "b"),
-                ),
+                dict(waiting, grants=size["limit_grants"], name="waiting", wait=0.05),
             ),
             ("3_4_5_holders", phases.holders, dict(cluster=cluster, rounds=size["rounds"])),
             ("6_durability", phases.durability, dict(cluster=cluster, rounds=size["rounds"])),
@@ -164,16 +155,8 @@ def main() -> int:
                 phases.negative_controls,
                 dict(cluster=cluster, grants=size["control_grants"]),
             ),
-            (
-                "11_partition",
-                phases.cut_off,
-                dict(cluster=cluster, mode="partition", rounds=size["cut_off_rounds"]),
-            ),
-            (
-                "12_frozen_database",
-                phases.cut_off,
-                dict(cluster=cluster, mode="frozen", rounds=size["cut_off_rounds"]),
-            ),
+            ("11_partition", phases.cut_off, dict(cut_off, mode="partition")),
+            ("12_frozen_database", phases.cut_off, dict(cut_off, mode="frozen")),
             (
                 "10_failover",
                 phases.failover,
@@ -187,63 +170,12 @@ def main() -> int:
             ),
             ("9_privileges", phases.pytest_phase, dict(test_file="test_privileges.py")),
         ]
-        for name, fn, kwargs in plan:
-            if name in opts.skip:
-                continue
-            results[name] = phases.timed(name, fn, **kwargs)
+        run(plan, opts.skip, results)
     if "mariadb" not in opts.skip:
         # A private MariaDB server (mariadb-install-db into a temp dir, its own port).
         with ThrowawayMariaDB() as maria:
-            maria_plan: list[tuple[str, Any, dict[str, Any]]] = [
-                (
-                    "maria_1_contention_reaper",
-                    phases.contended,
-                    dict(
-                        cluster=maria,
-                        grants=size["maria_grants"],
-                        crash_every=None,
-                        reaper_grace=0.05,
-                        name="contention",
-                    ),
-                ),
-                (
-                    "maria_2_crash_restarts",
-                    phases.contended,
-                    dict(
-                        cluster=maria,
-                        grants=size["maria_crash_grants"],
-                        crash_every=3.0,
-                        reaper_grace=0.05,
-                        name="crashes",
-                        keys=tuple(f"k{i}" for i in range(32)),
-                    ),
-                ),
-                (
-                    "maria_1_limit3",
-                    phases.contended,
-                    dict(
-                        cluster=maria,
-                        grants=size["limit_grants"],
-                        crash_every=None,
-                        reaper_grace=None,
-                        name="limit3",
-                        limit=3,
-                        keys=("a", "b"),
-                    ),
-                ),
-                (
-                    "maria_3_fenced_rmw",
-                    phases.contended,
-                    dict(
-                        cluster=maria,
-                        grants=size["fenced_grants"],
-                        crash_every=None,
-                        reaper_grace=None,
-                        name="fenced",
-                        fenced=True,
-                        keys=("a", "b"),
-                    ),
-                ),
+            maria_plan = [
+                *contended(maria, size, "maria_"),
                 (
                     "maria_5_sigkill",
                     phases.mariadb_holders,
@@ -255,10 +187,7 @@ def main() -> int:
                     dict(server=maria, rounds=size["rounds"]),
                 ),
             ]
-            for name, fn, kwargs in maria_plan:
-                if name in opts.skip:
-                    continue
-                results[name] = phases.timed(name, fn, **kwargs)
+            run(maria_plan, opts.skip, results)
     results["wall_seconds"] = round(time.monotonic() - started, 1)
     failed = [
         n

@@ -28,11 +28,13 @@ from taskguard.lease import LockInfo
 __all__ = [
     "ENDING",
     "FINISHED_PREFIX",
+    "KINDS",
     "ROLES",
     "companion_key",
     "companion_rows",
     "describe_companions",
     "is_companion",
+    "kind",
     "without_companions",
 ]
 
@@ -44,11 +46,27 @@ FINISHED_PREFIX = "taskguard:finished:"
 #: (a regular expression PostgreSQL, MariaDB, SQLite and Python read alike).
 ENDING = r"#(rate|(pending|debounce)(:[^#]*)?)$"
 _ENDING = re.compile(ENDING)
+#: What each kind of companion row is, for people (``taskguard locks --all``, ``show``).
+KINDS = {
+    "finished": "finished run's record",
+    "pending": "pending run",
+    "rate": "rate slot",
+    "debounce": "debounce batch",
+}
+
+
+def kind(key: str) -> str | None:
+    """The kind of companion row ``key`` is (a key of :data:`KINDS`), or ``None``
+    for a lock's own row."""
+    if key.startswith(FINISHED_PREFIX):
+        return "finished"
+    ending = _ENDING.search(key)
+    return None if ending is None else ending[2] or ending[1]
 
 
 def is_companion(key: str) -> bool:
     """Whether ``key`` is a companion row's, not a lock's."""
-    return key.startswith(FINISHED_PREFIX) or _ENDING.search(key) is not None
+    return kind(key) is not None
 
 
 def without_companions(read: Callable[[int], list[LockInfo]], limit: int) -> list[LockInfo]:
@@ -74,7 +92,7 @@ def companion_rows(key: str, held: Callable[[str], Sequence[LockInfo]]) -> list[
     """The live companion rows of ``key`` (``held(prefix)``: the held rows, companions
     included, whose keys start with ``prefix``). (A key too long for its companions'
     names to be stored as given has them shortened to a digest: they are not found.)"""
-    return [r for r in held(f"{key}#") if r.held and is_companion(r.key)]
+    return [r for r in held(f"{key}#") if r.held and _ENDING.match(r.key, len(key))]
 
 
 def describe_companions(key: str, held: Callable[[str], Sequence[LockInfo]]) -> list[str]:

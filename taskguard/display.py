@@ -15,6 +15,7 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
+from taskguard.companions import KINDS, kind
 from taskguard.lease import Holder, LockInfo
 
 if TYPE_CHECKING:
@@ -136,7 +137,8 @@ def _dash(value: object) -> str:
 
 
 def locks_table(infos: Sequence[LockInfo], *, with_state: bool = False) -> list[str]:
-    """Lock rows in the columns of ``taskguard locks`` (plus STATE with ``with_state``)."""
+    """Lock rows in the columns of ``taskguard locks`` (plus STATE with ``with_state``:
+    held, expired, or the kind of a live companion row: finished, pending, rate, debounce)."""
     headers = list(LOCKS_HEADERS) + (["STATE"] if with_state else [])
     rows = []
     for info in infos:
@@ -152,7 +154,7 @@ def locks_table(infos: Sequence[LockInfo], *, with_state: bool = False) -> list[
             format_duration(info.expires_in),
         ]
         if with_state:
-            row.append("held" if info.held else "expired")
+            row.append((kind(info.key) or "held") if info.held else "expired")
         rows.append(row)
     return table(headers, rows)
 
@@ -163,7 +165,8 @@ def _when(value: datetime) -> str:
 
 def _state(info: LockInfo) -> str:
     if info.held:
-        return "held"
+        role = kind(info.key)
+        return "held" if role is None else f"held ({KINDS[role]})"
     return f"expired {format_duration(-info.expires_in)} ago (row not yet reaped)"
 
 

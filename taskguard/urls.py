@@ -3,6 +3,7 @@ for logs and errors. Imports nothing from the package but the exceptions."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from sqlalchemy import URL, make_url
@@ -10,11 +11,20 @@ from sqlalchemy import exc as sa_exc
 
 from taskguard.exceptions import ConfigurationError
 
-__all__ = ["mask_url", "parse_url", "url_source"]
+__all__ = ["mask_text", "mask_url", "parse_url", "url_source"]
 
 #: Query parameters that carry a secret (libpq and psycopg accept the password there too).
 _SECRET_PARAMS = frozenset({"password", "passwd", "pass", "sslpassword", "sslkey_password"})
 
+
+# In free text: scheme://user:SECRET@ and ?password=SECRET / &passwd=SECRET.
+_USERINFO_SECRET = re.compile(
+    r"(?P<head>[A-Za-z][\w+.-]*://[^\s/:@'\"]*:)(?P<secret>[^\s@'\"]+)(?=@)"
+)
+_QUERY_SECRET = re.compile(
+    rf"(?P<head>://[^\s'\"]*[?&](?:{'|'.join(sorted(_SECRET_PARAMS))})=)(?P<secret>[^\s&#'\"]+)",
+    re.IGNORECASE,
+)
 
 #: Driver-less PostgreSQL schemes; taskguard's PostgreSQL driver is psycopg 3.
 _PG_SCHEMES = frozenset({"postgres", "postgresql"})
@@ -32,6 +42,21 @@ def mask_url(url: str | URL) -> str:
         return parsed.render_as_string(hide_password=True).replace("=%2A%2A%2A", "=***")
     except Exception:
         return "<unparseable database URL>"
+
+
+def mask_text(text: str, url: str | URL | None = None) -> str:
+    """``text`` (a message, a driver's error) with the password of every URL in it
+    masked as :func:`mask_url` does: the userinfo's password field and secret query
+    parameters, nothing else. ``url`` (the URL the text is about) is replaced as a
+    whole first, so a password the patterns cannot delimit (a raw ``@`` or space in
+    it) is masked too. A secret masked already (kombu writes ``**``) stays as it is."""
+    if url is not None and str(url) in text:
+        text = text.replace(str(url), mask_url(url))
+
+    def masked(m: re.Match[str]) -> str:
+        return m[0] if set(m["secret"]) == {"*"} else f"{m['head']}***"
+
+    return _USERINFO_SECRET.sub(masked, _QUERY_SECRET.sub(masked, text))
 
 
 def parse_url(url: str | URL) -> URL:

@@ -1,20 +1,27 @@
-"""Shared pieces: result rows, statistics, scratch databases, Redis prefixes, child processes."""
+"""Shared pieces: result rows, statistics, scratch databases, Redis prefixes, child
+processes, the Celery workers of the benchmark apps."""
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
 import os
+import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import psycopg
 from sqlalchemy.engine import make_url
 
 from taskguard import schema
+
+SCRIPTS = Path(__file__).resolve().parents[1]
 
 #: Databases this process created and has not dropped yet (dropped on the way out).
 _LIVE_DATABASES: set[str] = set()
@@ -133,7 +140,7 @@ def scratch_db(env: Env, tag: str, *, migrate: bool = True) -> Iterator[str]:
         drop_database(env, name)
 
 
-def _maria_admin(env: Env) -> Any:
+def maria_admin(env: Env) -> Any:
     import MySQLdb
 
     u = make_url(env.mariadb_url)
@@ -147,7 +154,7 @@ def _maria_admin(env: Env) -> Any:
 def maria_scratch_db(env: Env, tag: str) -> Iterator[str]:
     """A fresh, migrated MariaDB database for one benchmark; yields its URL, drops it after."""
     name = f"tgbench_{tag}_{env.run_id}"
-    conn = _maria_admin(env)
+    conn = maria_admin(env)
     try:
         conn.cursor().execute(f"DROP DATABASE IF EXISTS `{name}`")
         conn.cursor().execute(f"CREATE DATABASE `{name}`")
@@ -244,3 +251,62 @@ def stop_children(procs: Sequence[Any], grace: float = 5.0) -> None:
 
 def now_ns() -> int:
     return time.perf_counter_ns()
+
+
+# -- Celery workers ---------------------------------------------------------------------------
+
+
+def start_worker(
+    app: str,
+    name: str,
+    concurrency: int,
+    log: Any,
+    *,
+    core: int | None = None,
+    queue: str | None = None,
+    environ: dict[str, str] | None = None,
+) -> subprocess.Popen[bytes]:
+    """``celery -A benchlib.<app> worker`` with ``concurrency`` prefork pool processes, in
+    a process group of its own, writing to the open file ``log``; pinned to CPU ``core``
+    with taskset and consuming only ``queue`` when given, ``environ`` added to its own."""
+    cmd = [] if core is None else ["taskset", "-c", str(core)]
+    cmd += [sys.executable, "-m", "celery", "-A", f"benchlib.{app}", "worker"]
+    cmd += ["-P", "prefork", "-c", str(concurrency), "-l", "WARNING", "-n", f"{name}@%h"]
+    cmd += ["--without-gossip", "--without-mingle", "--without-heartbeat"]
+    cmd += ["-Q", queue] if queue else []
+    path = os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")])
+    return subprocess.Popen(
+        cmd,
+        cwd=SCRIPTS,
+        env={**os.environ, **(environ or {}), "PYTHONPATH": path},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def stop_worker(proc: subprocess.Popen[bytes]) -> None:
+    """Warm shutdown of the worker's process group; killed if it lingers."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(15)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # any pool child left behind
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(5)
+
+
+def wait_count(
+    r: Any, key: str, target: int, timeout: float, proc: subprocess.Popen[bytes]
+) -> float:
+    """Poll a Redis counter the worker raises until it reaches ``target``; returns when."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if int(r.get(key) or 0) >= target:
+            return time.monotonic()
+        if proc.poll() is not None:
+            raise RuntimeError(f"worker exited with code {proc.returncode}")
+        time.sleep(0.005)
+    raise TimeoutError(f"{key} stayed below {target} for {timeout:.0f} s")

@@ -15,8 +15,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,9 +22,7 @@ from typing import Any
 
 import redis
 
-from benchlib.common import Env, Row, scratch_db
-
-SCRIPTS = Path(__file__).resolve().parent.parent
+from benchlib.common import Env, Row, scratch_db, start_worker, stop_worker, wait_count
 
 
 def rows() -> list[Row]:
@@ -56,49 +52,6 @@ def _concurrency() -> int:
     return int(os.environ.get("TGBENCH_CONCURRENCY", 0)) or os.cpu_count() or 2
 
 
-def _start_worker(env: Env, concurrency: int, log: Any) -> subprocess.Popen[bytes]:
-    cmd = [
-        sys.executable, "-m", "celery", "-A", "benchlib.e2e_app", "worker",
-        "-P", "prefork", "-c", str(concurrency), "-l", "WARNING",
-        "--without-gossip", "--without-mingle", "--without-heartbeat",
-        "-n", f"tgbench-{env.run_id}@%h",
-    ]  # fmt: skip
-    penv = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]),
-    }
-    return subprocess.Popen(
-        cmd, cwd=SCRIPTS, env=penv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-
-
-def _stop_worker(proc: subprocess.Popen[bytes]) -> None:
-    """Warm shutdown of the worker's process group; killed if it lingers."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(15)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)  # any pool child left behind
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(5)
-
-
-def _wait_count(
-    r: redis.Redis, key: str, target: int, timeout: float, proc: subprocess.Popen[bytes]
-) -> float:
-    """Poll the done-counter until it reaches ``target``; returns the time it did."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if int(r.get(key) or 0) >= target:
-            return time.monotonic()
-        if proc.poll() is not None:
-            raise RuntimeError(f"worker exited with code {proc.returncode}")
-        time.sleep(0.005)
-    raise TimeoutError(f"{key} stayed below {target} for {timeout:.0f} s")
-
-
 def _phase(
     env: Env, mod: Any, names: list[str], durable: bool, rounds: int, per_round: int
 ) -> dict[str, float]:
@@ -110,7 +63,7 @@ def _phase(
     log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"tgbench_worker_{env.run_id}.log"
     os.environ["TGBENCH_DURABLE"] = "1" if durable else "0"
     with open(log_path, "wb") as log:
-        proc = _start_worker(env, concurrency, log)
+        proc = start_worker("e2e_app", f"tgbench-{env.run_id}", concurrency, log)
     try:
         counts = {
             name: int(r.get(f"{env.redis_prefix}done:{t.name}") or 0) for name, t in tasks.items()
@@ -123,7 +76,7 @@ def _phase(
                 task.delay(i)
             counts[name] += n
             return (
-                _wait_count(r, f"{env.redis_prefix}done:{task.name}", counts[name], timeout, proc)
+                wait_count(r, f"{env.redis_prefix}done:{task.name}", counts[name], timeout, proc)
                 - t0
             )
 
@@ -141,7 +94,7 @@ def _phase(
             sys.stderr.write(log_path.read_text(errors="replace")[-3000:])
         raise
     finally:
-        _stop_worker(proc)
+        stop_worker(proc)
         with contextlib.suppress(Exception):
             for k in r.scan_iter(match=f"qo_{env.redis_prefix}*"):
                 r.delete(k)

@@ -6,11 +6,9 @@ celery-once's), and celery-once's ``QueueOnce``. Every finished task
 bumps one Redis counter per task name (same cost for all), which is how the
 benchmark knows when a batch is done without a result backend.
 
-Two more take a lock by hand in their body, prepared, on a psycopg connection of
-their pool process: ``minimal``, the minimal correct lock (the pairs section's
-anchor, :class:`benchlib.pairs.MinimalLock`), and ``handsql``, taskguard's own
-acquire and release SQL (the pairs section's raw SQL): what a lock costs end to end
-without the library.
+One more, ``minimal``, takes the minimal correct lock (the pairs section's anchor,
+:class:`benchlib.pairs.MinimalLock`) by hand in its body, prepared, on a psycopg
+connection of its pool process: what a lock costs end to end without the library.
 
 ``TGBENCH_STUB`` (diagnosis only, e.g. ``TGBENCH_STUB=release python
 scripts/bench.py --sections e2e``) makes TaskGuard calls in the worker answer
@@ -18,23 +16,16 @@ without the database: ``release`` (every release reports success) or ``adopt``
 (every adoption of a lease handed over in the message, ``lock="queue_and_run"``,
 succeeds; releases are sent): what the guarded run would cost if those statements
 cost nothing. No lock holds while it is set.
-
-With ``TGBENCH_STATEMENT_CPU=1`` (``scripts/e2e_cpu.py``) each pool process also
-times the TaskGuard calls its runs make (the thread's CPU inside ``try_acquire``,
-``release`` and ``renew``) and adds it to a second counter per task name, in the same
-Redis round trip as the done-counter (every task name pays that round trip alike).
 """
 
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable
 from typing import Any
 
 import redis
 from celery import Celery
-from celery.signals import task_postrun, worker_init, worker_process_init
+from celery.signals import task_postrun, worker_init
 from celery_once import QueueOnce
 
 BROKER = os.environ.get("TGBENCH_BROKER", "amqp://guest:guest@127.0.0.1:5672//")
@@ -43,7 +34,6 @@ DB_URL = os.environ.get("TGBENCH_DB_URL", "")
 REDIS_URL = os.environ.get("TGBENCH_REDIS_URL", "redis://127.0.0.1:6379/11")
 PREFIX = os.environ.get("TGBENCH_PREFIX", "tgbench:")
 TTL = 60
-STATEMENT_CPU = os.environ.get("TGBENCH_STATEMENT_CPU") == "1"
 #: "", "release" or "adopt": see the module docstring.
 STUB = os.environ.get("TGBENCH_STUB", "")
 if STUB not in ("", "release", "adopt"):
@@ -67,7 +57,6 @@ app.conf.update(
 PLAIN = f"{PREFIX}plain"
 GUARDED = f"{PREFIX}guarded"
 ONCE = f"{PREFIX}once"
-HANDSQL = f"{PREFIX}handsql"
 MINIMAL = f"{PREFIX}minimal"
 QUEUE_AND_RUN = f"{PREFIX}queue_and_run"
 
@@ -82,29 +71,17 @@ def once(i: int) -> None:
     return None
 
 
-_by_hand: dict[str, Any] = {}  # this pool process's hand-written locks
-
-
-def _lock_by_hand(kind: str) -> Any:
-    if kind not in _by_hand:  # connected in the pool process, after the fork
-        from benchlib.common import Row
-        from benchlib.pairs import MinimalLock, RawSql
-
-        row = Row(f"e2e.{kind}", "", "")
-        _by_hand[kind] = (
-            MinimalLock(row, DB_URL) if kind == "minimal" else RawSql(row, DB_URL, durable=True)
-        )
-    return _by_hand[kind]
-
-
-@app.task(name=HANDSQL)
-def handsql(i: int) -> None:
-    _lock_by_hand("handsql").pair(f"{PREFIX}h:{i}")
+_minimal: list[Any] = []  # this pool process's hand-written lock
 
 
 @app.task(name=MINIMAL)
 def minimal(i: int) -> None:
-    _lock_by_hand("minimal").pair(f"{PREFIX}m:{i}")
+    if not _minimal:  # connected in the pool process, after the fork
+        from benchlib.common import Row
+        from benchlib.pairs import MinimalLock
+
+        _minimal.append(MinimalLock(Row("e2e.minimal", "", ""), DB_URL))
+    _minimal[0].pair(f"{PREFIX}m:{i}")
 
 
 #: Why the guarded task could not be defined (None when it was).
@@ -125,28 +102,6 @@ else:
 
 
 _counter: redis.Redis | None = None
-#: CPU seconds this process's TaskGuard calls used since the last finished task.
-_statement_cpu = [0.0]
-
-
-def _timed(method: Callable[..., Any]) -> Callable[..., Any]:
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        start = time.thread_time()
-        try:
-            return method(*args, **kwargs)
-        finally:
-            _statement_cpu[0] += time.thread_time() - start
-
-    return timed
-
-
-@worker_process_init.connect
-def _time_statements(**_: Any) -> None:
-    if STATEMENT_CPU and GUARDED_UNAVAILABLE is None:
-        from taskguard import TaskGuard
-
-        for name in ("try_acquire", "release", "renew"):
-            setattr(TaskGuard, name, _timed(getattr(TaskGuard, name)))
 
 
 @worker_init.connect
@@ -177,12 +132,4 @@ def _count_done(sender: Any = None, **_: Any) -> None:
     global _counter
     if _counter is None:  # one client per worker process, made after the fork
         _counter = redis.Redis.from_url(REDIS_URL)
-    name = getattr(sender, "name", "?")
-    if not STATEMENT_CPU:
-        _counter.incr(f"{PREFIX}done:{name}")
-        return
-    spent, _statement_cpu[0] = _statement_cpu[0], 0.0
-    pipe = _counter.pipeline(transaction=False)
-    pipe.incrbyfloat(f"{PREFIX}statements:{name}", spent)
-    pipe.incr(f"{PREFIX}done:{name}")
-    pipe.execute()
+    _counter.incr(f"{PREFIX}done:{getattr(sender, 'name', '?')}")

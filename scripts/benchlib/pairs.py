@@ -17,7 +17,6 @@ from contextlib import ExitStack
 from typing import Any
 
 import psycopg
-from chaoslib.pgbouncer import PgBouncer
 from sqlalchemy.engine import make_url
 
 from benchlib import cpu
@@ -33,6 +32,7 @@ from benchlib.common import (
 )
 from taskguard import TaskGuard
 from taskguard.dialects import lock_sql_for
+from tests.harness.pgbouncer import PgBouncer
 
 TTL = 60.0
 # On a direct connection taskguard prepares named statements (psycopg's threshold, 5);
@@ -412,18 +412,32 @@ def run(env: Env) -> list[Row]:
             "pair.celery_once": lambda row: CeleryOnceRedis(row, env),
             "pair.celery_singleton": lambda row: CelerySingletonRedis(row, env),
         }
-        contestants: list[Contestant] = []
-        try:
-            for row in out:
-                try:
-                    contestants.append(makers[row.id](row))
-                except Exception as exc:  # report the row, measure the others
-                    not_run([row], f"{type(exc).__name__}: {exc}", error=True)
-            measure(contestants, rounds, per_round, warmup, admin_url=url)
-        finally:
-            for c in contestants:
-                c.close()
+        measure_rows(out, makers, rounds, per_round, warmup, admin_url=url)
     return out
+
+
+def measure_rows(
+    rows: list[Row],
+    makers: dict[str, Callable[[Row], Contestant]],
+    rounds: int,
+    per_round: int,
+    warmup: int,
+    *,
+    admin_url: str,
+) -> None:
+    """Make each row's contestant (a row that cannot be made is reported, the others
+    measured), measure them interleaved, close them."""
+    contestants: list[Contestant] = []
+    try:
+        for row in rows:
+            try:
+                contestants.append(makers[row.id](row))
+            except Exception as exc:
+                not_run([row], f"{type(exc).__name__}: {exc}", error=True)
+        measure(contestants, rounds, per_round, warmup, admin_url=admin_url)
+    finally:
+        for c in contestants:
+            c.close()
 
 
 def measure(

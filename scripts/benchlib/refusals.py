@@ -15,8 +15,8 @@ import uuid
 from collections.abc import Callable
 from contextlib import ExitStack
 
-from benchlib.common import Env, Row, maria_scratch_db, not_run, scratch_db
-from benchlib.pairs import TTL, UNNAMED, Contestant, measure
+from benchlib.common import Env, Row, maria_scratch_db, scratch_db
+from benchlib.pairs import TTL, UNNAMED, Contestant, measure_rows
 from taskguard import TaskGuard
 
 
@@ -123,17 +123,7 @@ def run(env: Env) -> list[Row]:
             "refusal.taskguard_unnamed": lambda row: GuardRefusal(row, url, **UNNAMED),
             "refusal.maria_taskguard": lambda row: GuardRefusal(row, maria),
         }
-        contestants: list[Contestant] = []
-        try:
-            for row in out:
-                try:
-                    contestants.append(makers[row.id](row))
-                except Exception as exc:  # report the row, measure the others
-                    not_run([row], f"{type(exc).__name__}: {exc}", error=True)
-            measure(contestants, rounds, per_round, warmup, admin_url=url)
-        finally:
-            for c in contestants:
-                c.close()
+        measure_rows(out, makers, rounds, per_round, warmup, admin_url=url)
     for row in out:
         if row.status == "ok":
             row.note = row.note.replace("us/pair", "us/refusal")

@@ -4,6 +4,10 @@ Tables are filled server-side (INSERT ... SELECT generate_series) with leases th
 ended an hour ago, like rows of finished tasks waiting for the reaper. The three
 sizes live in three scratch databases at once so their acquire latencies can be
 measured interleaved, round by round, under the same machine load.
+
+The reaper also runs on MariaDB, with acquires of 50 keys that sort among the rows
+it deletes; the server's row-lock waits during the reap say whether it ever blocked
+them (server-wide: another client of the server can add some).
 """
 
 from __future__ import annotations
@@ -20,9 +24,19 @@ import time
 from typing import Any
 
 import psycopg
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, text
 
-from benchlib.common import Env, Row, latency_ms, libpq_url, now_ns, scratch_db, stop_children
+from benchlib.common import (
+    Env,
+    Row,
+    latency_ms,
+    libpq_url,
+    maria_admin,
+    maria_scratch_db,
+    now_ns,
+    scratch_db,
+    stop_children,
+)
 from taskguard import TaskGuard
 from taskguard.dialects import lock_sql_for
 
@@ -55,18 +69,26 @@ def rows() -> list[Row]:
                     ratio_kind="p50",
                 )
             )
-    out += [
-        r("acquire_idle", "acquire, 1 key, before reaping", unit="acquires/s"),
-        r("reaper", "reaper on the large table", unit="rows/s"),
-        r(
-            "acquire_during_reap",
-            "acquire, 1 key, while the reaper runs",
-            unit="acquires/s",
-            ref="scale.acquire_idle",
-            ratio_kind="p99",
-        ),
-        r("bloat", "acquire/release churn on 1,000 keys (pgbench)", unit="cycles/s"),
-    ]
+    for suffix, probed, server in (
+        ("", "1 key", ""),
+        ("_mariadb", "50 keys among the reaped rows", ", MariaDB"),
+    ):
+        out += [
+            r(
+                f"acquire_idle{suffix}",
+                f"acquire, {probed}, before reaping{server}",
+                unit="acquires/s",
+            ),
+            r(f"reaper{suffix}", f"reaper on the large table{server}", unit="rows/s"),
+            r(
+                f"acquire_during_reap{suffix}",
+                f"acquire, {probed}, while the reaper runs{server}",
+                unit="acquires/s",
+                ref=f"scale.acquire_idle{suffix}",
+                ratio_kind="p99",
+            ),
+        ]
+    out.append(r("bloat", "acquire/release churn on 1,000 keys (pgbench)", unit="cycles/s"))
     return out
 
 
@@ -125,14 +147,40 @@ def _measure_acquire(
         row.note = "random existing key (takeover of an expired row)"
 
 
-def _prober(queue: Any, url: str, stop: Any, max_samples: int) -> None:
-    """Acquire+release one key in a loop; report (when, latency) per acquire."""
+def _fill_mariadb(url: str, count: int) -> None:
+    engine = create_engine(url, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO task_locks (`key`, slot, owner, token, acquired_at, expires_at) "
+                    "SELECT CONCAT('fill:', LPAD(seq, 8, '0')), 0, MD5(seq), seq, "
+                    "UTC_TIMESTAMP(6) - INTERVAL 2 HOUR, UTC_TIMESTAMP(6) - INTERVAL 1 HOUR "
+                    f"FROM seq_0_to_{count - 1}"
+                )
+            )
+    finally:
+        engine.dispose()
+
+
+def _row_lock_waits(env: Env) -> int:
+    conn = maria_admin(env)
+    try:
+        cur = conn.cursor()
+        cur.execute("SHOW GLOBAL STATUS LIKE 'Innodb_row_lock_waits'")
+        return int(cur.fetchone()[1])
+    finally:
+        conn.close()
+
+
+def _prober(queue: Any, url: str, stop: Any, max_samples: int, keys: list[str]) -> None:
+    """Acquire+release ``keys`` in turn; report (when, latency) per acquire."""
     guard = TaskGuard(url)
     points: list[tuple[float, int]] = []
     try:
         while not stop.is_set() and len(points) < max_samples:
             t0 = now_ns()
-            lease = guard.acquire("probe:reaper", TTL)
+            lease = guard.acquire(keys[len(points) % len(keys)], TTL)
             points.append((time.monotonic(), now_ns() - t0))
             if lease is not None:
                 guard.release(lease)
@@ -141,11 +189,13 @@ def _prober(queue: Any, url: str, stop: Any, max_samples: int) -> None:
         queue.put(points)
 
 
-def _reap(env: Env, out: dict[str, Row], url: str, size: int) -> None:
+def _reap(
+    env: Env, out: dict[str, Row], url: str, size: int, keys: list[str], suffix: str = ""
+) -> None:
     ctx = mp.get_context("fork")
     queue: Any = ctx.Queue()
     stop = ctx.Event()
-    prober = ctx.Process(target=_prober, args=(queue, url, stop, 2_000_000), daemon=True)
+    prober = ctx.Process(target=_prober, args=(queue, url, stop, 2_000_000, keys), daemon=True)
     guard = TaskGuard(url)
     try:
         prober.start()
@@ -162,17 +212,17 @@ def _reap(env: Env, out: dict[str, Row], url: str, size: int) -> None:
         guard.dispose()
     idle = [lat for t, lat in points if t < t_start]
     during = [lat for t, lat in points if t_start <= t <= t_end]
-    for row_id, lat in (("scale.acquire_idle", idle), ("scale.acquire_during_reap", during)):
-        row = out[row_id]
+    for row_id, lat in (("acquire_idle", idle), ("acquire_during_reap", during)):
+        row = out[f"scale.{row_id}{suffix}"]
         if len(lat) < 5:
             row.status = f"not run: only {len(lat)} samples (reap too short to probe)"
             continue
         row.rate = len(lat) / (sum(lat) / 1e9)
         row.p50_ms, row.p99_ms = latency_ms(lat)
         row.extra = {"samples": len(lat)}
-    row = out["scale.reaper"]
+    row = out[f"scale.reaper{suffix}"]
     row.rate = removed / (t_end - t_start)
-    row.label = f"reaper, {size:,} expired rows"
+    row.label = f"reaper, {size:,} expired rows" + (", MariaDB" if suffix else "")
     row.extra = {"removed": int(removed), "batches": removed.batches, "seconds": t_end - t_start}
     row.note = f"removed {int(removed):,} rows in {removed.batches} batches of 5,000, {t_end - t_start:.1f} s"
 
@@ -303,6 +353,15 @@ def run(env: Env) -> list[Row]:
         for size, count in sizes.items():
             _fill(urls[size], count)
         _measure_acquire(env, by_id, urls, sizes)
-        _reap(env, by_id, urls["large"], sizes["large"])
+        _reap(env, by_id, urls["large"], sizes["large"], ["probe:reaper"])
     _bloat(env, by_id["scale.bloat"])
+    with maria_scratch_db(env, "scale") as url:
+        size = sizes["large"]
+        _fill_mariadb(url, size)
+        waits = _row_lock_waits(env)
+        live = [f"fill:{i * (size // 50):08d}-live" for i in range(50)]
+        _reap(env, by_id, url, size, live, suffix="_mariadb")
+        waits = _row_lock_waits(env) - waits
+        by_id["scale.reaper_mariadb"].extra["row_lock_waits"] = waits
+        by_id["scale.reaper_mariadb"].note += f"; {waits} row-lock waits on the server meanwhile"
     return out

@@ -30,8 +30,6 @@ import contextlib
 import importlib.util
 import os
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,14 +42,13 @@ from types import ModuleType
 from typing import Any
 
 import redis
-from chaoslib.cluster import ThrowawayCluster, free_port
-from chaoslib.servers import PrivateServer
 
 from benchlib import cpu
-from benchlib.common import Env, Row, not_run
+from benchlib.common import SCRIPTS, Env, Row, not_run, start_worker, stop_worker
 from taskguard import schema
+from tests.harness.postgres import ThrowawayCluster
+from tests.harness.servers import PrivateRedis
 
-SCRIPTS = Path(__file__).resolve().parent.parent
 SECTION = "7. split"
 #: The private cluster's settings: durable commits as the system server's (fsync and
 #: synchronous_commit on, their defaults), autovacuum off as there (its runs would
@@ -84,46 +81,6 @@ def rows() -> list[Row]:
         r("minimal", "trivial task, the minimal correct lock by hand in its body"),
         r("queue_and_run", 'trivial task, @guarded_task(lock="queue_and_run")'),
     ]
-
-
-class PrivateRedis(PrivateServer):
-    """``redis-server`` on a free loopback port, nothing kept on disk, pinned to ``core``."""
-
-    def __init__(self, core: int) -> None:
-        self.port = free_port()
-        self.core = core
-        self.dir = Path(tempfile.mkdtemp(prefix="tgbench-redis-"))
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("redis-server is not installed (Debian package redis-server)")
-        self.proc = subprocess.Popen(
-            ["taskset", "-c", str(self.core), binary, "--port", str(self.port),
-             "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(self.dir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        deadline = time.monotonic() + 20
-        while True:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port)):
-                return
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not start on port {self.port}")
-            time.sleep(0.05)
-
-    def url(self, db: int) -> str:
-        return f"redis://127.0.0.1:{self.port}/{db}"
-
-    def destroy(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(10)
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait(5)
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _pin_tree(pid: int, core: int) -> None:
@@ -187,37 +144,21 @@ def _start_worker(
     name: str, queue: str, core: int, concurrency: int, values: dict[str, str], run_id: str
 ) -> _Worker:
     log = Path(tempfile.gettempdir()) / f"tgbench_split_{run_id}_{name}.log"
-    cmd = [
-        "taskset", "-c", str(core), sys.executable, "-m", "celery", "-A", "benchlib.e2e_app",
-        "worker", "-P", "prefork", "-c", str(concurrency), "-l", "WARNING", "-Q", queue,
-        "--without-gossip", "--without-mingle", "--without-heartbeat",
-        "-n", f"tgsplit-{name}-{run_id}@%h",
-    ]  # fmt: skip
-    penv = {
-        **os.environ,
-        **values,
-        "TGBENCH_QUEUE": queue,
-        "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]),
-    }
     with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            cmd, cwd=SCRIPTS, env=penv, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
+        proc = start_worker(
+            "e2e_app",
+            f"tgsplit-{name}-{run_id}",
+            concurrency,
+            out,
+            core=core,
+            queue=queue,
+            environ={**values, "TGBENCH_QUEUE": queue},
+        )
     return _Worker(name, queue, proc, log)
 
 
 def _stop_worker(worker: _Worker) -> None:
-    proc = worker.proc
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(15)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(5)
+    stop_worker(worker.proc)
     with contextlib.suppress(OSError):
         worker.log.unlink()
 
@@ -258,7 +199,7 @@ def run(env: Env) -> list[Row]:
             row.status = "not run: not in TGBENCH_SPLIT_VARIANTS"
     with contextlib.ExitStack() as stack:
         pg = stack.enter_context(ThrowawayCluster(PG_SETTINGS))
-        postmaster = int((pg.data / "postmaster.pid").read_text().split()[0])
+        postmaster = pg.postmaster()
         _pin_tree(postmaster, server_core)
         broker = stack.enter_context(PrivateRedis(server_core))
         url = pg.create_database("tgsplit")

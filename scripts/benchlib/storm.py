@@ -25,7 +25,6 @@ import importlib
 import logging
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -36,11 +35,10 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
-from benchlib import memcached
-from benchlib.common import Env, Row, scratch_db
+from benchlib.common import Env, Row, scratch_db, start_worker, stop_worker, wait_count
 from taskguard.demo.record import max_concurrency
+from tests.harness.servers import PrivateMemcached
 
-SCRIPTS = Path(__file__).resolve().parent.parent
 SECTION = "5. storm"
 CONCURRENCY = 4
 #: A Redis database no test uses (tests use 0 and 1, the other sections 11).
@@ -93,51 +91,6 @@ def overrun_plan(env: Env) -> tuple[list[str], float, int]:
     """(feeds, seconds between submissions of each feed, submissions per feed)."""
     feeds, gap, per_feed = env.pick((1, 1.2, 2), (2, 0.25, 24))
     return [f"https://slow.example/{i}.xml" for i in range(feeds)], gap, per_feed
-
-
-# -- the worker ---------------------------------------------------------------------------
-
-
-def _start_worker(env: Env, log: Any) -> subprocess.Popen[bytes]:
-    cmd = [
-        sys.executable, "-m", "celery", "-A", "benchlib.storm_app", "worker",
-        "-P", "prefork", "-c", str(CONCURRENCY), "-l", "WARNING",
-        "--without-gossip", "--without-mingle", "--without-heartbeat",
-        "-n", f"tgbench-storm-{env.run_id}@%h",
-    ]  # fmt: skip
-    penv = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]),
-    }
-    return subprocess.Popen(
-        cmd, cwd=SCRIPTS, env=penv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-
-
-def _stop_worker(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(15)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)  # any pool child left behind
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(5)
-
-
-def _wait_done(
-    r: redis.Redis, key: str, target: int, timeout: float, proc: subprocess.Popen[bytes]
-) -> float:
-    """Poll the delivery counter until it reaches ``target``; returns when it did."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if int(r.get(key) or 0) >= target:
-            return time.monotonic()
-        if proc.poll() is not None:
-            raise RuntimeError(f"worker exited with code {proc.returncode}")
-        time.sleep(0.01)
-    raise TimeoutError(f"{key} stayed below {target} for {timeout:.0f} s")
 
 
 # -- one storm ------------------------------------------------------------------------------
@@ -199,7 +152,7 @@ def _storm(
     published = sum(_submit(task, feed) for feed in plan)
     submitted = time.monotonic()
     timeout = max(60.0, 10 * len(plan) * app.WORK / CONCURRENCY)
-    t1 = _wait_done(r, app.done_key(task.name), published, timeout, proc)
+    t1 = wait_count(r, app.done_key(task.name), published, timeout, proc)
     out = _outcome(r, app, task, len(plan), published, t0, t1)
     out["submit_s"] = round(submitted - t0, 3)
     return out
@@ -221,7 +174,7 @@ def _overrun(
     timeout = 60.0 + per_feed * len(feeds) * len(tasks) * app.LONG_WORK
     out = {}
     for task in tasks:
-        t1 = _wait_done(r, app.done_key(task.name), published[task.name], timeout, proc)
+        t1 = wait_count(r, app.done_key(task.name), published[task.name], timeout, proc)
         o = _outcome(r, app, task, per_feed * len(feeds), published[task.name], t0, t1)
         o["submit_s"] = round(submitted - t0, 3)
         out[task.name] = o
@@ -237,7 +190,7 @@ def _warm_up(r: redis.Redis, app: Any, proc: subprocess.Popen[bytes]) -> None:
         for t in tasks
     }
     for task in tasks:
-        _wait_done(r, app.done_key(task.name), published[task.name], 120, proc)
+        wait_count(r, app.done_key(task.name), published[task.name], 120, proc)
         r.delete(app.done_key(task.name), app.runs_key(task.name))
 
 
@@ -277,19 +230,19 @@ def run(env: Env) -> list[Row]:
     prefix = f"{env.redis_prefix}storm:"
     redis_url = storm_redis_url(env)
     r = redis.Redis.from_url(redis_url)
-    with memcached.running() as mc, scratch_db(env, "storm") as db_url:
+    with PrivateMemcached() as mc, scratch_db(env, "storm") as db_url:
         os.environ.update(
             TGBENCH_BROKER=env.amqp_url,
             TGBENCH_STORM_QUEUE=f"tgbench.storm.{env.run_id}",
             TGBENCH_STORM_DB_URL=db_url,
             TGBENCH_STORM_REDIS_URL=redis_url,
-            TGBENCH_STORM_MEMCACHED=mc,
+            TGBENCH_STORM_MEMCACHED=mc.address,
             TGBENCH_STORM_PREFIX=prefix,
         )
         app = importlib.import_module("benchlib.storm_app")
         log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"tgbench_storm_{env.run_id}.log"
         with open(log_path, "wb") as log:
-            proc = _start_worker(env, log)
+            proc = start_worker("storm_app", f"tgbench-storm-{env.run_id}", CONCURRENCY, log)
         try:
             with _quiet_taskguard_log():
                 _warm_up(r, app, proc)
@@ -299,7 +252,7 @@ def run(env: Env) -> list[Row]:
                 sys.stderr.write(log_path.read_text(errors="replace")[-3000:])
             raise
         finally:
-            _stop_worker(proc)
+            stop_worker(proc)
             with contextlib.suppress(Exception), app.app.connection_for_write() as conn:
                 conn.default_channel.queue_delete(f"tgbench.storm.{env.run_id}")
             with contextlib.suppress(Exception):

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import psycopg
 
-from chaoslib.cluster import ThrowawayCluster
 from taskguard import TaskGuard
+from tests.harness.postgres import ThrowawayCluster
 
 
 @dataclass

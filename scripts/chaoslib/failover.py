@@ -1,8 +1,7 @@
 """Failover to a standby while 8 processes contend (issue 13, item 2).
 
-A throwaway primary and a standby made with ``pg_basebackup -R`` (synchronous:
-``synchronous_standby_names = '*'``; or asynchronous, the negative control), both on
-free loopback ports. Contenders connect with a multi-host URL
+A :class:`~tests.harness.postgres.ReplicatedPair` (synchronous, or asynchronous: the
+negative control). Contenders connect with a multi-host URL
 (``host=A&host=B&target_session_attrs=read-write``) and loop: acquire one of 3
 contended keys (short TTLs, leases lapse, never released so rows are only updated)
 and now and then a "witness" key of their own with a long TTL.
@@ -31,173 +30,24 @@ Checks (each a ``violations.*`` count that must be 0 in the synchronous case):
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import multiprocessing as mp
 import os
 import random
 import signal
-import subprocess
-import tempfile
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import psycopg
 
-from chaoslib.cluster import PG_BIN, ThrowawayCluster, free_port
-from chaoslib.history import us
-from taskguard import DatabaseUnavailable, OutcomeUnknown, TaskGuard, schema
+from scripts.chaoslib.history import Report, us
+from taskguard import DatabaseUnavailable, OutcomeUnknown, TaskGuard
+from tests.harness.postgres import ReplicatedPair
 
-__all__ = ["FailoverResult", "ReplicatedPair", "failover_round"]
+__all__ = ["failover_round"]
 
 KEYS = ("f0", "f1", "f2")
-
-
-class _Standby(ThrowawayCluster):
-    """A standby of ``primary`` made with ``pg_basebackup -R`` (no initdb)."""
-
-    def __init__(self, primary: ThrowawayCluster) -> None:
-        # Once promoted it is alone: a synchronous setting would make every commit wait
-        # forever for a standby that does not exist (the hang of issue 13, item 4).
-        self.settings = {**primary.settings, "synchronous_standby_names": "''"}
-        self.port = free_port()
-        self.dir = Path(tempfile.mkdtemp(prefix="tg-chaos-standby-"))
-        self.data = self.dir / "data"
-        self.logfile = self.dir / "server.log"
-        self.running = False
-        self.crashes = 0
-        if os.geteuid() == 0:
-            import pwd
-
-            pw = pwd.getpwnam("postgres")
-            os.chown(self.dir, pw.pw_uid, pw.pw_gid)
-        self._run(
-            [
-                str(PG_BIN / "pg_basebackup"),
-                "-h",
-                "127.0.0.1",
-                "-p",
-                str(primary.port),
-                "-U",
-                "postgres",
-                "-D",
-                str(self.data),
-                "-R",
-                "-X",
-                "stream",
-                "--checkpoint=fast",
-                "--no-sync",
-            ]
-        )
-
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        super().wait_ready(timeout)
-
-    def promote(self) -> float:
-        """``pg_ctl promote -w``; returns the seconds it took."""
-        t0 = time.monotonic()
-        self._run([str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-w", "-t", "60", "promote"])
-        return time.monotonic() - t0
-
-    def walreceiver_pid(self) -> int | None:
-        with psycopg.connect(self.dsn(), autocommit=True) as conn:
-            row = conn.execute(
-                "SELECT pid FROM pg_stat_activity WHERE backend_type = 'walreceiver'"
-            ).fetchone()
-        return int(row[0]) if row else None
-
-    def wait_caught_up(self, timeout: float = 30.0) -> None:
-        """Until everything received has been replayed (read-only queries see it).
-        Call it once a killed WAL receiver has been reaped (see failover_round)."""
-        # A killed WAL receiver makes the standby's postmaster reinitialise: wait for it.
-        self.wait_ready(timeout)
-        deadline = time.monotonic() + timeout
-        with psycopg.connect(self.dsn(), autocommit=True) as conn:
-            while time.monotonic() < deadline:
-                row = conn.execute(
-                    "SELECT pg_last_wal_receive_lsn() <= pg_last_wal_replay_lsn()"
-                ).fetchone()
-                if row and row[0]:
-                    return
-                time.sleep(0.02)
-        raise TimeoutError("standby did not replay what it received")
-
-
-class ReplicatedPair:
-    """``with ReplicatedPair(sync=True) as rp: rp.url(db)`` - a primary and a standby."""
-
-    def __init__(self, *, sync: bool = True) -> None:
-        self.sync = sync
-        self.primary = ThrowawayCluster(
-            {
-                "wal_level": "replica",
-                "max_wal_senders": "4",
-                "synchronous_standby_names": "'*'" if sync else "''",
-                "synchronous_commit": "on",
-                "wal_receiver_status_interval": "1s",
-            }
-        )
-        self.standby: _Standby | None = None
-
-    def __enter__(self) -> ReplicatedPair:
-        try:
-            self.primary.start()
-            self.standby = _Standby(self.primary)
-            self.standby.start()
-            self._wait_streaming()
-        except BaseException:
-            self.destroy()
-            raise
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.destroy()
-
-    def destroy(self) -> None:
-        if self.standby is not None:
-            self.standby.destroy()
-        self.primary.destroy()
-
-    def _wait_streaming(self, timeout: float = 30.0) -> None:
-        want = "sync" if self.sync else "async"
-        deadline = time.monotonic() + timeout
-        with psycopg.connect(self.primary.dsn(), autocommit=True) as conn:
-            while time.monotonic() < deadline:
-                rows = conn.execute("SELECT state, sync_state FROM pg_stat_replication").fetchall()
-                if ("streaming", want) in rows:
-                    return
-                time.sleep(0.05)
-        raise TimeoutError(f"standby never reached streaming/{want}")
-
-    def url(self, database: str) -> str:
-        """Multi-host SQLAlchemy URL: whichever of the two accepts writes."""
-        assert self.standby is not None
-        return (
-            f"postgresql+psycopg://postgres@/{database}?host=127.0.0.1:{self.primary.port}"
-            f"&host=127.0.0.1:{self.standby.port}&target_session_attrs=read-write"
-            "&connect_timeout=2"
-        )
-
-    def create_database(self, name: str) -> str:
-        self.primary.create_database(name)
-        url = self.url(name)
-        schema.upgrade(url)
-        return url
-
-    def kill_primary(self) -> None:
-        """SIGKILL every process of the primary (postmaster first, so nothing restarts)."""
-        pidfile = self.primary.data / "postmaster.pid"
-        pid = int(pidfile.read_text().splitlines()[0])
-        children = subprocess.run(
-            ["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False
-        ).stdout.split()
-        for p in [pid, *map(int, children)]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p, signal.SIGKILL)
-        self.primary.running = False
 
 
 # -- contenders ----------------------------------------------------------------------
@@ -245,27 +95,11 @@ def _contender(url: str, worker: int, out: Any, stop: Any, seed: int) -> None:
     out.put(events)
 
 
-@dataclass
-class FailoverResult:
-    sync: bool
-    counts: Counter[str] = field(default_factory=Counter)
-    violations: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
-
-    def violate(self, kind: str, detail: str) -> None:
-        self.counts[f"violations.{kind}"] += 1
-        if len(self.violations[kind]) < 5:
-            self.violations[kind].append(detail)
-
-    @property
-    def total_violations(self) -> int:
-        return sum(v for k, v in self.counts.items() if k.startswith("violations."))
-
-
 def failover_round(
     *, sync: bool = True, workers: int = 8, before: float = 3.0, after: float = 3.0, seed: int = 0
-) -> FailoverResult:
+) -> Report:
     """One contended run with one failover; returns counts and violations."""
-    res = FailoverResult(sync)
+    res = Report()
     with ReplicatedPair(sync=sync) as rp:
         assert rp.standby is not None
         url = rp.create_database("failover")
@@ -286,7 +120,7 @@ def failover_round(
             os.kill(receiver, signal.SIGSTOP)
             time.sleep(0.5)
             t_kill = time.time()
-            rp.kill_primary()
+            rp.primary.kill()
             # The network never delivers what was in flight: what the receiver had not
             # written when it stopped is gone (its socket buffer dies with it).
             os.kill(receiver, signal.SIGKILL)
@@ -337,7 +171,7 @@ def _rows(dsn: str) -> dict[str, tuple[str, int]]:
 
 
 def _judge(
-    res: FailoverResult,
+    res: Report,
     events: list[tuple[Any, ...]],
     snapshot: dict[str, tuple[str, int]],
     t_kill: float,

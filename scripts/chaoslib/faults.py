@@ -13,8 +13,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from chaoslib.proxy import FaultProxy
 from taskguard import DatabaseUnavailable, Lease, OutcomeUnknown, TaskGuard
+from tests.harness.proxy import FaultProxy
 
 OPS = ("acquire", "release", "renew", "adopt")
 MODES = ("before", "after", "partition")

@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from chaoslib.history import us
-from chaoslib.resource import Resource
+from scripts.chaoslib.history import us
+from scripts.chaoslib.resource import Resource
 from taskguard import Lease, TaskGuard
 
 

@@ -31,10 +31,10 @@ from typing import Any
 
 import psycopg
 
-from chaoslib.cluster import ThrowawayCluster
-from chaoslib.proxy import FaultProxy
-from chaoslib.resource import Resource
+from scripts.chaoslib.resource import Resource
 from taskguard import DatabaseUnavailable, Lease, LeaseLost, OutcomeUnknown, TaskGuard
+from tests.harness.postgres import ThrowawayCluster
+from tests.harness.proxy import FaultProxy
 
 
 def _holder(url: str, key: str, ttl: float, conn: Any) -> None:

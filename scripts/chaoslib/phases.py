@@ -16,18 +16,17 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from chaoslib.checker import Report
-from chaoslib.cluster import ThrowawayCluster
-from chaoslib.durability import durability_round
-from chaoslib.failover import failover_round
-from chaoslib.faults import MODES, OPS, fault_round
-from chaoslib.holders import killed_holder_round, paused_holder_round
-from chaoslib.lease_clock import cut_off_round, summarize
-from chaoslib.proxy import FaultProxy
-from chaoslib.resource import Resource
-from chaoslib.scenarios import contention
-from chaoslib.workers import Plan
+from scripts.chaoslib.contention import Plan, contention
+from scripts.chaoslib.durability import durability_round
+from scripts.chaoslib.failover import failover_round
+from scripts.chaoslib.faults import MODES, OPS, fault_round
+from scripts.chaoslib.history import Report
+from scripts.chaoslib.holders import killed_holder_round, paused_holder_round
+from scripts.chaoslib.lease_clock import cut_off_round, summarize
+from scripts.chaoslib.resource import Resource
 from taskguard import TaskGuard, schema
+from tests.harness.postgres import ThrowawayCluster
+from tests.harness.proxy import FaultProxy
 
 ROOT = Path(__file__).resolve().parents[2]
 Figures = dict[str, Any]

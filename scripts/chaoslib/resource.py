@@ -13,7 +13,7 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine, text
 
-from chaoslib.history import us
+from scripts.chaoslib.history import us
 from taskguard import Lease, LeaseLost, TaskGuard
 
 _CREATE = {

@@ -5,12 +5,12 @@ from __future__ import annotations
 import click
 
 from taskguard import schema
-from taskguard.cli.errors import EXIT_USAGE, fail, failing_as_one_line
+from taskguard.cli.errors import EXIT_USAGE, OneLineGroup, fail, failing_as_one_line
 from taskguard.cli.root import database_url_option, resolve_url
 from taskguard.urls import mask_url
 
 
-@click.group()
+@click.group(cls=OneLineGroup)
 def db() -> None:
     """Create or update taskguard's tables (version table: taskguard_alembic_version;
     your application's alembic_version is never touched)."""

@@ -7,8 +7,8 @@ object is printed on stdout as well, so a script reading stdout sees the error.
 
 from __future__ import annotations
 
+import difflib
 import json
-import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,12 +18,13 @@ import click
 
 from taskguard.display import printable
 from taskguard.exceptions import TaskGuardError
-from taskguard.urls import mask_url, parse_url
+from taskguard.urls import mask_text
 
 __all__ = [
     "EXIT_NOT_FOUND",
     "EXIT_OK",
     "EXIT_USAGE",
+    "OneLineGroup",
     "OneLineUsage",
     "fail",
     "failing_as_one_line",
@@ -34,24 +35,6 @@ EXIT_OK = 0
 EXIT_NOT_FOUND = 1
 #: Usage, configuration or connection error.
 EXIT_USAGE = 2
-
-# scheme://user:secret@  ->  scheme://user:***@ , for URLs quoted in any message.
-_USERINFO = re.compile(r"(?P<head>[A-Za-z][\w+.-]*://[^\s/:@'\"]*:)(?P<secret>[^\s@'\"]+)@")
-
-
-def _mask(message: str, url: str | None) -> str:
-    if url:
-        message = message.replace(url, mask_url(url))
-        try:
-            password = parse_url(url).password
-        except TaskGuardError:
-            password = None
-        if password:
-            message = message.replace(str(password), "***")
-    # A secret someone masked already (kombu writes "**") stays as it is.
-    return _USERINFO.sub(
-        lambda m: m.group(0) if set(m["secret"]) == {"*"} else f"{m['head']}***@", message
-    )
 
 
 def fail(
@@ -64,7 +47,7 @@ def fail(
     """Print ``taskguard: <message>`` as one masked, escaped line on stderr and exit
     with ``code`` (default 2: usage, configuration or connection). Under ``--json`` also
     print ``{"error": ..., "exit_code": ...}`` (plus ``extra``) on stdout."""
-    message = " ".join(_mask(str(error), url).split()) or "error"
+    message = " ".join(mask_text(str(error), url).split()) or "error"
     # Messages quote values with repr() already; only controls still need escaping.
     message = printable(message, backslashes=False)
     ctx = click.get_current_context(silent=True)
@@ -89,6 +72,13 @@ def failing_as_one_line(url: str | None = None) -> Iterator[None]:
         fail(exc, url=url)
 
 
+def _usage(exc: click.UsageError, name: str | None) -> NoReturn:
+    if isinstance(exc, getattr(click.exceptions, "NoArgsIsHelpError", ())):
+        raise exc  # a group run bare prints its help (click >= 8.2)
+    path = exc.ctx.command_path if exc.ctx is not None else name
+    fail(f"{exc.format_message()} (`{path} --help` for usage)", EXIT_USAGE)
+
+
 class OneLineUsage(click.Command):
     """Usage errors (bad option values, missing arguments) through :func:`fail`
     too, rather than click's multi-line usage text."""
@@ -103,4 +93,31 @@ class OneLineUsage(click.Command):
         try:
             return super().make_context(info_name, args, parent=parent, **extra)
         except click.UsageError as exc:
-            fail(f"{info_name or self.name}: {exc.format_message()}", EXIT_USAGE)
+            _usage(exc, info_name or self.name)
+
+
+class OneLineGroup(OneLineUsage, click.Group):
+    """A command group whose usage errors, an unknown command's too, are one line
+    (naming the command meant, if one is close); its commands and groups are
+    :class:`OneLineUsage` and :class:`OneLineGroup` unless they say otherwise."""
+
+    command_class = OneLineUsage
+    group_class = type  # the same class as this group
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        try:
+            return super().resolve_command(ctx, args)
+        except click.UsageError as exc:
+            name = args[0]
+            if name.startswith("-"):
+                _usage(exc, self.name)
+        names = self.list_commands(ctx)
+        close = difflib.get_close_matches(name, names, n=1)
+        fix = (
+            f"did you mean `{ctx.command_path} {close[0]}`?"
+            if close
+            else f"the commands are {', '.join(names)}"
+        )
+        fail(f"no command {name!r}; {fix}", EXIT_USAGE)

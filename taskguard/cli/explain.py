@@ -39,7 +39,7 @@ def explain(
     """The recent story of KEY: who held it, for how long, who was turned away,
     leases lost or taken over, and who holds it now.
 
-    Exit code 1 when KEY has neither history nor a row."""
+    Exit code 1 when KEY has no history, no row and no companion row."""
     with failing_as_one_line():
         stored = normalize_key(key)
     with open_guard(ctx, database_url) as guard:
@@ -47,7 +47,7 @@ def explain(
         companions = describe_companions(
             stored, lambda prefix: guard.held(prefix, companions=True)
         )  # [coalesce/rate/debounce]
-    if not events and not rows:
+    if not events and not rows and not companions:
         fail(
             f"nothing recorded for {stored!r} (no history and no lock row)",
             EXIT_NOT_FOUND,

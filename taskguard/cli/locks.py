@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import click
 
-from taskguard.cli.errors import EXIT_NOT_FOUND, EXIT_USAGE, OneLineUsage, fail
+from taskguard.cli.errors import EXIT_NOT_FOUND, EXIT_USAGE, fail
 from taskguard.cli.root import celery_app, database_url_option, main_group, open_guard
 from taskguard.companions import companion_rows, describe_companions
 from taskguard.config import setting
@@ -33,7 +33,7 @@ def _json(infos: Sequence[LockInfo]) -> str:
 # -- commands --------------------------------------------------------------------------
 
 
-@main_group.command(cls=OneLineUsage)
+@main_group.command()
 @database_url_option
 @click.option("--prefix", "-p", default=None, metavar="P", help="Only keys starting with P.")
 @click.option(
@@ -76,7 +76,7 @@ def locks(
         click.echo(f"taskguard: showing the first {limit} rows; raise --limit for more", err=True)
 
 
-@main_group.command(cls=OneLineUsage)
+@main_group.command()
 @database_url_option
 @click.argument("key")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array (one object per slot).")
@@ -91,30 +91,37 @@ def locks(
 def show(
     ctx: click.Context, database_url: str | None, key: str, as_json: bool, show_all: bool
 ) -> None:
-    """Who holds KEY: owner, token, task, host, pid, since when, until when.
+    """Who holds KEY: owner, token, task, host, pid, since when, until when; then
+    one line per companion row of KEY (its pending run, rate window, debounce batch).
 
-    Exit code 1 when KEY has no row at all (with --json, a JSON error object too)."""
+    Exit code 1 when KEY has no row at all, nor a companion row (with --json, a JSON
+    error object too)."""
     with open_guard(ctx, database_url) as guard:
         infos = guard.get_all(key)
         rows = companion_rows(key, functools.partial(guard.held, companions=True))
-        companions = describe_companions(key, lambda _prefix: rows)  # [coalesce/rate/debounce]
-        if show_all and infos:
-            infos += rows
-    if not infos:
+    if not infos and not rows:
         fail(
             f"no lock row for {key!r} (never locked, or reaped after it expired)",
             EXIT_NOT_FOUND,
             extra={"key": key},
         )
+    shown = infos + rows if show_all else infos
     if as_json:
-        click.echo(_json(infos))
-    else:
-        click.echo("\n\n".join(lock_details(info) for info in infos))
-        if companions:
-            click.echo("\n" + "\n".join(printable(c, backslashes=False) for c in companions))
+        click.echo(_json(shown))
+        return
+    lines = describe_companions(key, lambda _prefix: rows)  # [coalesce/rate/debounce]
+    blocks = [lock_details(info) for info in shown]
+    if lines:
+        blocks.append("\n".join(printable(line, backslashes=False) for line in lines))
+    if not infos:
+        header = printable(
+            f"no lock row for {key!r} (free); its companion rows:", backslashes=False
+        )
+        blocks[0] = f"{header}\n{blocks[0]}"
+    click.echo("\n\n".join(blocks))
 
 
-@main_group.command(cls=OneLineUsage)
+@main_group.command()
 @database_url_option
 @click.argument("key")
 @click.option("--owner", "-o", default=None, metavar="O", help="Release only if owner O holds it.")
@@ -214,7 +221,7 @@ def _progress_printer() -> tuple[Callable[[int], None], Callable[[], None]]:
     return progress, done
 
 
-@main_group.command(cls=OneLineUsage)
+@main_group.command()
 @database_url_option
 @click.option(
     "--grace",

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import click
 
-from taskguard.cli.errors import EXIT_USAGE, fail, failing_as_one_line
+from taskguard.cli.errors import EXIT_USAGE, OneLineGroup, fail, failing_as_one_line
 from taskguard.config import ENV_DATABASE_URL, build_guard, database_url
 from taskguard.exceptions import ConfigurationError
 from taskguard.guard import TaskGuard
@@ -33,7 +33,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 CONTEXT_SETTINGS: dict[str, Any] = {"help_option_names": ["-h", "--help"]}
 
 
-@click.group(context_settings=CONTEXT_SETTINGS)
+@click.group(cls=OneLineGroup, context_settings=CONTEXT_SETTINGS)
 @click.version_option(package_name="taskguard")
 def main_group() -> None:
     """taskguard: per-key locks for Celery tasks, kept in your SQL database."""

@@ -9,19 +9,13 @@ FAILS the test (the project rule: tests that need a server never skip in CI).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from conftest import PG_URL
 from sqlalchemy.engine import make_url
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-if str(SCRIPTS) not in sys.path:
-    sys.path.insert(0, str(SCRIPTS))
-
-from chaoslib.pgbouncer import PgBouncer  # noqa: E402
+from tests.harness.pgbouncer import PgBouncer
 
 __all__ = ["pgb_session_url", "pgb_tx_url", "pgbouncer_session", "pgbouncer_tx"]
 

@@ -6,35 +6,27 @@ end the call as OutcomeUnknown within the bound, never a hang and never a succes
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 from sqlalchemy.engine import make_url
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-if str(SCRIPTS) not in sys.path:
-    sys.path.insert(0, str(SCRIPTS))
-
-from chaoslib.cluster import ThrowawayCluster  # noqa: E402
-from chaoslib.failover import ReplicatedPair  # noqa: E402
-from chaoslib.proxy import FaultProxy  # noqa: E402
-
-from taskguard import (  # noqa: E402
+from taskguard import (
     DatabaseUnavailable,
     LeaseLost,
     OutcomeUnknown,
     TaskGuard,
     schema,
 )
-from taskguard.deadline import call_limit  # noqa: E402
+from taskguard.deadline import call_limit
+from tests.harness.postgres import ReplicatedPair, ThrowawayCluster
+from tests.harness.proxy import FaultProxy
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 

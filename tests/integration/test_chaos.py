@@ -3,33 +3,25 @@
 
 Real OS processes, real PostgreSQL (the shared server, plus a throwaway cluster
 created with initdb for the crash tests) and SQLite where it applies. Every
-history is checked by scripts/chaoslib/checker.py; a violation prints examples.
+history is checked by scripts/chaoslib/history.py; a violation prints examples.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-if str(SCRIPTS) not in sys.path:
-    sys.path.insert(0, str(SCRIPTS))
-
-from chaoslib.checker import Report  # noqa: E402
-from chaoslib.cluster import ThrowawayCluster  # noqa: E402
-from chaoslib.durability import durability_round  # noqa: E402
-from chaoslib.holders import killed_holder_round, paused_holder_round  # noqa: E402
-from chaoslib.lease_clock import cut_off_round  # noqa: E402
-from chaoslib.resource import Resource  # noqa: E402
-from chaoslib.scenarios import contention  # noqa: E402
-from chaoslib.workers import Plan  # noqa: E402
-
-from taskguard import TaskGuard, schema  # noqa: E402
+from scripts.chaoslib.contention import Plan, contention
+from scripts.chaoslib.durability import durability_round
+from scripts.chaoslib.history import Report
+from scripts.chaoslib.holders import killed_holder_round, paused_holder_round
+from scripts.chaoslib.lease_clock import cut_off_round
+from scripts.chaoslib.resource import Resource
+from taskguard import TaskGuard, schema
+from tests.harness.postgres import ThrowawayCluster
 
 pytestmark = pytest.mark.slow
 

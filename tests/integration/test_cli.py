@@ -125,6 +125,57 @@ def test_show_prints_who_holds_a_key(guard: TaskGuard, env: dict[str, str]) -> N
     assert "state:      expired" in out and "not yet reaped" in out
 
 
+def test_show_and_explain_see_a_key_whose_only_rows_are_companions(
+    guard: TaskGuard, env: dict[str, str]
+) -> None:
+    """Issue 33, defect 4: after one debounced (or coalesced) submission the key has
+    only its companion rows; `show` said "no lock row" (exit 1), `explain` "nothing
+    recorded"."""
+    for key in ("feed:x#debounce:feeds.reindex", "feed:x#pending:feeds.import"):
+        assert guard.acquire(key, 300, task_name="feeds.import", task_id="p-1") is not None
+    out = tg("show", "feed:x", env=env)
+    assert out.splitlines()[0] == "no lock row for 'feed:x' (free); its companion rows:", out
+    assert "debounce batch: first submission" in out
+    assert "pending run: task p-1 (feeds.import)" in out and "state:" not in out
+    assert len(out.splitlines()) == 3, out
+    every = tg("show", "feed:x", "--all", env=env)
+    assert every.count("state:") == 2 and "key:        feed:x#pending:feeds.import" in every
+    assert json.loads(tg("show", "feed:x", "--json", env=env)) == []
+    rows = json.loads(tg("show", "feed:x", "--all", "--json", env=env))
+    assert [r["key"] for r in rows] == [
+        "feed:x#debounce:feeds.reindex",
+        "feed:x#pending:feeds.import",
+    ]
+    story = tg("explain", "feed:x", env=env)
+    assert "now: free (no row)" in story and "debounce batch: first submission" in story
+    assert "pending run: task p-1" in story
+    assert len(json.loads(tg("explain", "feed:x", "--json", env=env))["companions"]) == 2
+    # A key with nothing at all is still "not found".
+    assert "no lock row for 'feed:y'" in run([*TASKGUARD, "show", "feed:y"], env, code=1).stderr
+    assert "nothing recorded" in run([*TASKGUARD, "explain", "feed:y"], env, code=1).stderr
+
+
+def test_locks_all_says_what_each_companion_row_is(guard: TaskGuard, env: dict[str, str]) -> None:
+    """Issue 33: finished runs' records were listed as STATE "held"."""
+    for key in ("feed:1", "feed:1#pending:feeds.import", "feed:1#debounce:feeds.reindex",
+                "feed:1#rate", "taskguard:finished:t-1"):  # fmt: skip
+        assert guard.acquire(key, 300) is not None
+    expired = guard.acquire("feed:2", 0.05)
+    assert expired is not None and guard.release(expired)
+    table = tg("locks", "--all", env=env).splitlines()
+    states = {line.split()[0]: line.split()[-1] for line in table[1:]}
+    assert states == {
+        "feed:1": "held",
+        "feed:1#debounce:feeds.reindex": "debounce",
+        "feed:1#pending:feeds.import": "pending",
+        "feed:1#rate": "rate",
+        "feed:2": "expired",
+        "taskguard:finished:t-1": "finished",
+    }, table
+    details = tg("show", "feed:1", "--all", env=env)
+    assert "state:      held (pending run)" in details
+
+
 # -- errors and masking ----------------------------------------------------------------------
 
 
@@ -143,6 +194,41 @@ def test_errors_are_one_masked_line(pg_url: str, empty_pg_url: str) -> None:
     assert "u:***@h/d" in proc.stderr
     run([*TASKGUARD, "locks", "--no-such-option"], env, code=2)
     run([*TASKGUARD, "show"], env, code=2)
+
+
+def test_only_the_urls_password_is_masked(pg_url: str) -> None:
+    """Issue 33, defect 5: every occurrence of the password's text was masked:
+    password `postgres` in `postgres:postgres@` gave `***ql+psycopg://***:***@`,
+    password `x` gave `role "nobody" does not e***ist`, `127` masked the host."""
+    env = base_env()
+    for password in ("postgres", "127"):
+        refused = f"postgresql+psycopg://postgres:{password}@127.0.0.1:1/nowhere"
+        proc = run([*TASKGUARD, "locks", "--database-url", refused], env, code=2)
+        assert "postgresql+psycopg://postgres:***@127.0.0.1:1/nowhere unavailable" in proc.stderr
+    nobody = make_url(pg_url).set(username="nobody", password="x")
+    proc = run([*TASKGUARD, "locks", "--database-url", nobody.render_as_string(False)], env, code=2)
+    assert 'role "nobody" does not exist' in proc.stderr, proc.stderr
+    assert "nobody:***@" in proc.stderr and ":x@" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["lock"], "no command 'lock'; did you mean `taskguard locks`?"),
+        (["db", "upgrad"], "no command 'upgrad'; did you mean `taskguard db upgrade`?"),
+        (["frobnicate"], "no command 'frobnicate'; the commands are check, db, demo, explain"),
+        (["explain", "k", "--limit", "0"], "0 is not in the range 1<=x<=10000"),
+        (["--bogus"], "--bogus"),
+        (["db", "current", "--bogus"], "--bogus"),
+    ],
+)
+def test_usage_errors_are_one_line(argv: list[str], said: str) -> None:
+    """Issue 33: these printed Click's usage block; every CLI error is one line
+    (`run` checks that), naming the problem and the fix."""
+    proc = run([*TASKGUARD, *argv], base_env(), code=2)
+    assert said in proc.stderr, proc.stderr
+    if not said.startswith("no command"):
+        assert "--help` for usage" in proc.stderr, proc.stderr
 
 
 def test_db_commands_mask_the_password(empty_pg_url: str) -> None:

@@ -10,16 +10,9 @@ replication paused, the standby promoted. See scripts/chaoslib/failover.py.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-if str(SCRIPTS) not in sys.path:
-    sys.path.insert(0, str(SCRIPTS))
-
-from chaoslib.failover import failover_round  # noqa: E402
+from scripts.chaoslib.failover import failover_round
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 

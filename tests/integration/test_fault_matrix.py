@@ -27,7 +27,6 @@ import contextlib
 import itertools
 import os
 import signal
-import sys
 import time
 import uuid
 from collections import Counter
@@ -39,23 +38,18 @@ from typing import Any
 import psycopg
 import pytest
 from celery import Celery
+from conftest import AMQP_URL, REDIS_URL, drop_pg_database, new_pg_database
+from fault_matrix_app import RUNS_DDL, TTL, make_app
+from integration.celery.workers import Worker, start_worker, unique_queue
 from sqlalchemy.engine import make_url
 
+from taskguard import DatabaseUnavailable, schema
+from taskguard.celery.results import MARKER
+from taskguard.config import reset_guards
+from tests.harness.postgres import ThrowawayCluster
+from tests.harness.proxy import FaultProxy
+
 HERE = Path(__file__).resolve().parent
-SCRIPTS = HERE.parents[1] / "scripts"
-for path in (SCRIPTS, HERE):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
-
-from chaoslib.cluster import ThrowawayCluster  # noqa: E402
-from chaoslib.proxy import FaultProxy  # noqa: E402
-from conftest import AMQP_URL, REDIS_URL, drop_pg_database, new_pg_database  # noqa: E402
-from fault_matrix_app import RUNS_DDL, TTL, make_app  # noqa: E402
-from integration.celery.workers import Worker, start_worker, unique_queue  # noqa: E402
-
-from taskguard import DatabaseUnavailable, schema  # noqa: E402
-from taskguard.celery.results import MARKER  # noqa: E402
-from taskguard.config import reset_guards  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 

@@ -1,6 +1,6 @@
 """Connection faults around COMMIT (issue #7, item 7).
 
-A loopback proxy we control (scripts/chaoslib/proxy.py) sits between the guard
+A loopback proxy we control (tests/harness/proxy.py) sits between the guard
 and the shared PostgreSQL server and cuts a chosen statement before the server
 sees it, after it committed, or after it committed with the server unreachable
 for the read-back. ``pg_terminate_backend`` kills a backend mid-statement. The
@@ -12,28 +12,20 @@ from __future__ import annotations
 
 import os
 import pickle
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 from celery import Celery
+from conftest import drop_pg_database, new_pg_database
 from sqlalchemy.engine import make_url
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-if str(SCRIPTS) not in sys.path:
-    sys.path.insert(0, str(SCRIPTS))
-
-from chaoslib.faults import MODES, OPS, fault_round  # noqa: E402
-from chaoslib.proxy import FaultProxy  # noqa: E402
-from conftest import drop_pg_database, new_pg_database  # noqa: E402
-
-from taskguard import (  # noqa: E402
+from scripts.chaoslib.faults import MODES, OPS, fault_round
+from taskguard import (
     DatabaseUnavailable,
     InvalidKey,
     InvalidTTL,
@@ -42,7 +34,8 @@ from taskguard import (  # noqa: E402
     current_lease,
     guarded_task,
 )
-from taskguard.config import reset_guards  # noqa: E402
+from taskguard.config import reset_guards
+from tests.harness.proxy import FaultProxy
 
 
 def _libpq(url: str) -> str:

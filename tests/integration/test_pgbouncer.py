@@ -19,7 +19,6 @@ from pgbouncer_fixtures import (  # noqa: F401 - fixtures
     pgbouncer_session,
     pgbouncer_tx,
 )
-from test_chaos import Plan, contention  # the harness, via test_chaos's sys.path setup
 from test_fence import (  # noqa: F401 - re-run through the pooler
     test_a_stale_holders_fenced_commit_fails,
     test_a_takeover_waits_for_the_fenced_transaction,
@@ -52,6 +51,7 @@ from test_throttle import (  # noqa: F401 - re-run through the pooler
     test_renewals_never_shorten_the_window,
 )
 
+from scripts.chaoslib.contention import Plan, contention
 from taskguard import Holder, Marker, TaskGuard
 from taskguard.store import connections
 

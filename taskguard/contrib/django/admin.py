@@ -3,6 +3,10 @@ that needs its own permission (``taskguard.force_release_lock``) and is recorded
 the history with the admin user's name. Registered only when the locks live in a
 Django database (no ``TASKGUARD_DATABASE_URL``).
 
+The action asks first, on a page listing the holders (as Django asks before
+deleting). Each row's checkbox carries its key percent-encoded: a browser posts a
+CR in a form value as LF, so a raw key with one would name another key.
+
 Keys, task names, task ids, hosts and details come from whoever took a lock: they
 are shown through :func:`taskguard.display.printable`, as ``taskguard``'s command
 line shows them (ESC, BEL, bidi overrides such as U+202E become ``\\x1b``,
@@ -12,34 +16,58 @@ line shows them (ESC, BEL, bidi overrides such as U+202E become ``\\x1b``,
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
+from urllib.parse import quote, unquote
 
 from django.conf import settings
 from django.contrib import admin, messages
+from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
 from django.db.models import BooleanField, Exists, ExpressionWrapper, OuterRef, Q
+from django.template.response import TemplateResponse
+from django.utils import timezone
 
 from taskguard.companions import ENDING, FINISHED_PREFIX
 from taskguard.contrib.django import conf
 from taskguard.contrib.django.models import FORCE_RELEASE_PERMISSION, HeldLock, LockEvent
 from taskguard.contrib.django.release import force_release_as
 from taskguard.display import printable
-from taskguard.history import EVENTS, RELEASED
+from taskguard.history import EVENTS, RELEASED, secs
 
 __all__ = ["HeldLockAdmin", "LockEventAdmin"]
 
 
-def _shown(field: str, label: str | None = None) -> Callable[[Any], str | None]:
-    """A list column showing ``field`` made printable (sortable by the field)."""
+def _column(
+    field: str, render: Callable[[Any], str], label: str | None = None
+) -> Callable[[Any], str | None]:
+    """A list column showing ``render(field's value)`` (sortable by the field)."""
 
     def column(obj: Any) -> str | None:
         value = getattr(obj, field)
-        return None if value is None else printable(value)
+        return None if value is None else render(value)
 
     column.__name__ = field
     shown: Callable[[Any], str | None] = admin.display(
         description=label or field.replace("_", " "), ordering=field
     )(column)
     return shown
+
+
+def _when(value: datetime) -> str:
+    """A time to the millisecond in the current time zone, as ``taskguard`` shows
+    times (Django's default stops at the minute)."""
+    if timezone.is_aware(value):
+        value = timezone.localtime(value)
+    return f"{value:%Y-%m-%d %H:%M:%S}.{value.microsecond // 1000:03d}"
+
+
+def _shown(field: str, label: str | None = None) -> Callable[[Any], str | None]:
+    """A list column showing ``field`` made printable."""
+    return _column(field, printable, label)
+
+
+def _moment(field: str, label: str | None = None) -> Callable[[Any], str | None]:
+    return _column(field, _when, label)
 
 
 class _PrintableValues(admin.SimpleListFilter):
@@ -73,9 +101,19 @@ def _companions() -> Q:
     return Q(key__startswith=FINISHED_PREFIX) | Q(key__regex=ENDING)
 
 
+def _rows(queryset: Any, choice: str | None) -> Any:
+    """The rows the "rows" filter's ``choice`` lists: held locks by default,
+    ``companions`` (finished runs' records, pending, rate and debounce rows), ``all``."""
+    if choice == "all":
+        return queryset
+    if choice == "companions":
+        return queryset.filter(_companions())
+    return queryset.exclude(_companions())
+
+
 class _Rows(admin.SimpleListFilter):
-    """Held locks by default; companion rows (finished runs' records, pending, rate
-    and debounce rows) on request."""
+    """Held locks by default; companion rows on request. The rows are chosen in
+    :meth:`HeldLockAdmin.get_queryset`, so the page's "N total" counts the same kind."""
 
     title = "rows"
     parameter_name = "rows"
@@ -96,11 +134,7 @@ class _Rows(admin.SimpleListFilter):
             }
 
     def queryset(self, request: Any, queryset: Any) -> Any:
-        if self.value() == "all":
-            return queryset
-        if self.value() == "companions":
-            return queryset.filter(_companions())
-        return queryset.exclude(_companions())
+        return queryset
 
 
 class _ReadOnly(admin.ModelAdmin):
@@ -121,6 +155,12 @@ class _ReadOnly(admin.ModelAdmin):
         return False
 
 
+def _selected(key: str) -> str:
+    """A row's checkbox value: its key, percent-encoded. A browser posts a CR in a
+    form value as LF (and may change other controls): ASCII comes back as it was."""
+    return quote(key, safe="")
+
+
 class HeldLockAdmin(_ReadOnly):
     """Live leases, as ``taskguard locks`` lists them (database clock)."""
 
@@ -132,36 +172,98 @@ class HeldLockAdmin(_ReadOnly):
         _shown("hostname"),
         "pid",
         "token",
-        "acquired_at",
-        "expires_at",
+        _moment("acquired_at", "acquired"),
+        _moment("expires_at", "expires"),
     )
     search_fields = ("key", "task_name", "task_id")
     list_filter = (_Rows, _ByTask, _ByHost)
     actions = ("force_release",)
+    confirmation_template = "admin/taskguard/heldlock/force_release_confirmation.html"
+
+    def get_queryset(self, request: Any) -> Any:
+        return _rows(super().get_queryset(request), request.GET.get(_Rows.parameter_name))
+
+    # Django < 5.0 takes the column's header (the select-all box) from the description.
+    @admin.display(description=getattr(admin.ModelAdmin.action_checkbox, "short_description", None))
+    def action_checkbox(self, obj: Any) -> Any:
+        return super().action_checkbox(_Checkbox(obj))
+
+    def response_action(self, request: Any, queryset: Any) -> Any:
+        # The selected keys, as the checkboxes and the confirmation page encode them.
+        posted = request.POST.copy()
+        posted.setlist(
+            ACTION_CHECKBOX_NAME, [unquote(v) for v in posted.getlist(ACTION_CHECKBOX_NAME)]
+        )
+        request.POST = posted
+        return super().response_action(request, queryset)
 
     @admin.action(
         description="Force-release the selected keys (the holders keep running)",
         permissions=["force_release"],
     )
-    def force_release(self, request: Any, queryset: Any) -> None:
-        keys = sorted(set(queryset.values_list("key", flat=True)))
-        result = force_release_as(keys, request.user.get_username())
-        if result.released:
+    def force_release(self, request: Any, queryset: Any) -> TemplateResponse | None:
+        """Asks first (a page listing the holders, as Django asks before deleting);
+        then ends every live lease of each selected key and says which were no
+        longer held."""
+        locks = list(queryset)
+        keys = sorted({lock.key for lock in locks})
+        gone = sorted(set(request.POST.getlist(ACTION_CHECKBOX_NAME)) - set(keys))
+        if keys and not request.POST.get("post"):
+            return self._confirmation(request, locks, sorted({*keys, *gone}))
+        result = force_release_as(keys, request.user.get_username()) if keys else None
+        if result and result.released:
             self.message_user(
                 request,
                 f"force-released {len(result.released)} key(s): "
                 + ", ".join(printable(k) for k in result.released),
                 messages.SUCCESS,
             )
-        if result.not_held:
+        not_held = sorted([*(result.not_held if result else []), *gone])
+        if not_held:
             self.message_user(
                 request,
-                "no longer held: " + ", ".join(printable(k) for k in result.not_held),
+                "no longer held: " + ", ".join(printable(k) for k in not_held),
                 messages.WARNING,
             )
+        return None
+
+    def _confirmation(self, request: Any, locks: list[Any], keys: list[str]) -> TemplateResponse:
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Force-release held locks?",
+            "opts": self.opts,
+            "locks": [
+                {
+                    "key": printable(lock.key),
+                    "slot": lock.slot,
+                    "task": printable(lock.task_name or "-"),
+                    "host": printable(lock.hostname or "-"),
+                    "pid": "-" if lock.pid is None else lock.pid,
+                    "since": _when(lock.acquired_at),
+                }
+                for lock in locks
+            ],
+            "selected": [_selected(k) for k in keys],
+            "action_checkbox_name": ACTION_CHECKBOX_NAME,
+            "media": self.media,
+        }
+        request.current_app = self.admin_site.name
+        return TemplateResponse(request, self.confirmation_template, context)
 
     def has_force_release_permission(self, request: Any) -> bool:
         return bool(request.user.has_perm(FORCE_RELEASE_PERMISSION))
+
+
+class _Checkbox:
+    """What the admin's checkbox column renders for a row: its key, encoded
+    (:func:`_selected`), labelled with the key made printable."""
+
+    def __init__(self, lock: Any) -> None:
+        self.pk = _selected(lock.key)
+        self._label = printable(str(lock))
+
+    def __str__(self) -> str:
+        return self._label
 
 
 class LockEventAdmin(_ReadOnly):
@@ -169,13 +271,14 @@ class LockEventAdmin(_ReadOnly):
     A grant that was taken over (see :func:`taskguard.history.story`) says so."""
 
     list_display = (
-        "at",
+        _moment("at"),
         "what",
         _shown("key"),
         "slot",
         _shown("owner"),
         "token",
-        "duration",
+        # Held for (ending events) or waited (grants, conflicts), as `explain` says it.
+        _column("duration", secs),
         _shown("task_name"),
         _shown("hostname"),
         "pid",

@@ -14,22 +14,16 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from conftest import REDIS_URL, drop_pg_database, new_pg_database
+from integration.pgbouncer_fixtures import pgbouncer_tx  # noqa: F401 - fixture
+from test_guarded_task_workers import RESULT_BACKEND, assert_no_overlap, runs
+from tg_worker_app import RUNS_DDL, libpq_url, make_app
+from workers import HERE, TESTS, start_worker, unique_queue
 
-# The PgBouncer fixtures live one level up; the chaos harness in scripts/.
-for _path in (Path(__file__).resolve().parents[1], Path(__file__).resolve().parents[3] / "scripts"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-from chaoslib.failover import ReplicatedPair  # noqa: E402
-from chaoslib.pgbouncer import PgBouncer  # noqa: E402
-from conftest import REDIS_URL, drop_pg_database, new_pg_database  # noqa: E402
-from pgbouncer_fixtures import pgbouncer_tx  # noqa: E402, F401 - fixture
-from test_guarded_task_workers import RESULT_BACKEND, assert_no_overlap, runs  # noqa: E402
-from tg_worker_app import RUNS_DDL, libpq_url, make_app  # noqa: E402
-from workers import HERE, TESTS, start_worker, unique_queue  # noqa: E402
-
-from taskguard import TaskGuard, is_skipped  # noqa: E402
-from taskguard.config import reset_guards  # noqa: E402
+from taskguard import TaskGuard, is_skipped
+from taskguard.config import reset_guards
+from tests.harness.pgbouncer import PgBouncer
+from tests.harness.postgres import ReplicatedPair
 
 pytestmark = [pytest.mark.celery, pytest.mark.postgres]
 

@@ -6,8 +6,11 @@ TransactionTestCase, not TestCase: taskguard works on its own connections, which
 must see (and, on SQLite, be able to write next to) what the test commits.
 """
 
+import html
+import re
 import time
 import uuid
+from typing import Any
 
 from django.contrib.auth.models import Permission, User
 from django.db import connection, connections, transaction
@@ -21,6 +24,7 @@ from taskguard import LeaseLost, TaskGuard
 from taskguard.config import guard_for
 from taskguard.contrib.django.conf import database_url
 from taskguard.contrib.django.models import HeldLock, LockEvent
+from taskguard.history import secs
 
 CHANGELIST = "/admin/taskguard/heldlock/"
 HISTORY = "/admin/taskguard/lockevent/"
@@ -28,6 +32,20 @@ HISTORY = "/admin/taskguard/lockevent/"
 
 def _key(prefix: str) -> str:
     return f"{prefix}:https://example.com/{uuid.uuid4().hex[:8]}.rss"
+
+
+def _posted(page: Any, name: str) -> list[str]:
+    """The values of the inputs called ``name`` on ``page`` as a browser posts them:
+    a CR (alone or before LF) arrives as LF."""
+    found = re.findall(rf'name="{name}" value="([^"]*)"', page.content.decode(), re.DOTALL)
+    return [html.unescape(v).replace("\r\n", "\n").replace("\r", "\n") for v in found]
+
+
+def _total(page: Any) -> int:
+    """The "(N total)" of a changelist with a search."""
+    match = re.search(r"(\d+) total", page.content.decode())
+    assert match is not None, page.content.decode()
+    return int(match[1])
 
 
 class LocksFollowTheTestDatabase(TransactionTestCase):
@@ -88,9 +106,30 @@ class AdminPages(TransactionTestCase):
     def tearDown(self) -> None:
         self.guard.dispose()
 
-    def _held(self) -> bool:
-        info = self.guard.get(self.key)
+    def _held(self, key: str | None = None) -> bool:
+        info = self.guard.get(key or self.key)
         return info is not None and info.held
+
+    def _select(self, search: str) -> tuple[Any, Any]:
+        """Tick every row a search lists, choose the force-release action, then say
+        yes on the confirmation page, as a browser does: the confirmation page, and
+        the changelist the answer leads back to."""
+        listed = self.client.get(CHANGELIST, {"q": search})
+        selected = _posted(listed, "_selected_action")
+        self.assertTrue(selected, listed.content.decode())
+        asked = self.client.post(
+            f"{CHANGELIST}?q={search}",
+            {"action": "force_release", "index": "0", "_selected_action": selected},
+        )
+        return asked, lambda: self.client.post(
+            f"{CHANGELIST}?q={search}",
+            {
+                "action": "force_release",
+                "post": "yes",
+                "_selected_action": _posted(asked, "_selected_action"),
+            },
+            follow=True,
+        )
 
     def test_held_locks_are_listed_and_searchable(self) -> None:
         self.client.force_login(self.operator)
@@ -111,10 +150,15 @@ class AdminPages(TransactionTestCase):
 
     def test_force_release_is_audited_with_the_user_name(self) -> None:
         self.client.force_login(self.operator)
-        response = self.client.post(
-            CHANGELIST, {"action": "force_release", "_selected_action": [self.key]}
-        )
-        self.assertEqual(response.status_code, 302)
+        asked, confirm = self._select(self.key.split("/")[-1])
+        # Issue 33: the CLI asks first; the admin released at once.
+        self.assertEqual(asked.status_code, 200)
+        self.assertContains(asked, "Are you sure")
+        self.assertContains(asked, self.key)
+        self.assertContains(asked, "shop.import_feed")
+        self.assertTrue(self._held())
+        done = confirm()
+        self.assertContains(done, "Force-released 1 key(s)")
         self.assertFalse(self._held())
         self.assertFalse(self.guard.release(self.lease))  # the holder lost it
         event = LockEvent.objects.get(key=self.key, event="force_released")
@@ -135,6 +179,56 @@ class AdminPages(TransactionTestCase):
         self.client.post(CHANGELIST, {"action": "force_release", "_selected_action": [self.key]})
         self.assertTrue(self._held())
         self.assertFalse(LockEvent.objects.filter(key=self.key).exists())
+
+    def test_a_key_with_a_carriage_return_is_released_from_a_browser(self) -> None:
+        """Issue 33, defect 12: the checkbox carried the raw CR, which the browser
+        posts as LF: the lock stayed held and nothing was said."""
+        tag = uuid.uuid4().hex[:8]
+        key = f"cr:{tag}\rline\r\nend"
+        self.assertIsNotNone(self.guard.acquire(key, ttl=60, task_name="shop.cr"))
+        self.client.force_login(self.operator)
+        asked, confirm = self._select(tag)
+        self.assertContains(asked, "Are you sure")
+        self.assertContains(asked, f"cr:{tag}\\rline\\r\\nend")
+        self.assertContains(confirm(), "Force-released 1 key(s)")
+        self.assertFalse(self._held(key))
+
+    def test_a_selected_lock_that_is_no_longer_held_is_named(self) -> None:
+        self.client.force_login(self.operator)
+        asked, confirm = self._select(self.key.split("/")[-1])
+        self.assertEqual(asked.status_code, 200)
+        self.assertTrue(self.guard.release(self.lease))  # it ended meanwhile
+        done = confirm()
+        self.assertContains(done, f"No longer held: {self.key}")
+        self.assertNotContains(done, "Force-released")
+
+    def test_the_lists_show_seconds_durations_and_a_total_of_what_they_list(self) -> None:
+        """Issue 33: history times to the minute, durations as raw floats, and "0 results
+        (59 total)" counting companion rows the page does not list."""
+        history = TaskGuard(database_url(), history=True)
+        try:
+            key = _key("timed")
+            lease = history.acquire(key, ttl=60, task_name="shop.timed")
+            assert lease is not None
+            time.sleep(0.05)
+            history.release(lease)
+            for companion in (f"{key}#pending", f"taskguard:finished:{uuid.uuid4().hex}"):
+                self.assertIsNotNone(history.acquire(companion, ttl=60))
+        finally:
+            history.dispose()
+        released = LockEvent.objects.get(key=key, event="released")
+        assert released.duration is not None
+        self.client.force_login(self.viewer)
+        page = self.client.get(HISTORY, {"q": key})
+        self.assertContains(page, secs(released.duration))
+        self.assertNotContains(page, str(released.duration))
+        self.assertRegex(page.content.decode(), r"\d\d:\d\d:\d\d\.\d\d\d")
+        locks = [k for k in HeldLock.objects.values_list("key", flat=True)]
+        own = [k for k in locks if "#" not in k and not k.startswith("taskguard:finished:")]
+        self.assertEqual(_total(self.client.get(CHANGELIST, {"q": "no-such-key"})), len(own))
+        every = self.client.get(CHANGELIST, {"q": "no-such-key", "rows": "all"})
+        self.assertEqual(_total(every), len(locks))
+        self.assertRegex(self.client.get(CHANGELIST).content.decode(), r"\d\d:\d\d:\d\d")
 
     def test_companion_rows_are_listed_on_request(self) -> None:
         """Issue 27, item 7: finished runs' records crowded "Held locks"."""

@@ -2,7 +2,7 @@
 
 ``mariadb-install-db`` into a fresh temp dir, ``mariadbd`` started on a free
 loopback port with its socket and logs in that dir. Never touches the shared
-server on 3306. Same interface as :class:`chaoslib.cluster.ThrowawayCluster`
+server on 3306. Same interface as :class:`tests.harness.postgres.ThrowawayCluster`
 (start, crash, crash_restart, url, create_database, destroy).
 
 Durability settings are MariaDB's defaults (``innodb_flush_log_at_trx_commit=1``),
@@ -11,19 +11,13 @@ stated on the command line so a distribution's my.cnf cannot change them.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import pwd
-import shutil
 import signal
 import subprocess
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-from chaoslib.cluster import free_port
-from chaoslib.servers import PrivateServer
+from tests.harness.servers import CrashableServer, free_port, private_dir
 
 MARIADBD = os.environ.get("TASKGUARD_MARIADBD", "/usr/sbin/mariadbd")
 INSTALL_DB = os.environ.get("TASKGUARD_MARIADB_INSTALL_DB", "/usr/bin/mariadb-install-db")
@@ -43,23 +37,18 @@ def _connect(port: int, database: str | None = None) -> Any:
     )
 
 
-class ThrowawayMariaDB(PrivateServer):
+class ThrowawayMariaDB(CrashableServer):
     """A private MariaDB server: ``with ThrowawayMariaDB() as m: m.crash_restart()``."""
 
     def __init__(self) -> None:
         self.port = free_port()
-        self.dir = Path(tempfile.mkdtemp(prefix="tg-chaos-maria-"))
+        # mariadbd refuses to run as root unless told to; it runs as mysql then.
+        self.dir = private_dir("tg-mariadb-", _OS_USER)
         self.data = self.dir / "data"
         self.logfile = self.dir / "server.log"
         self.pidfile = self.dir / "mariadbd.pid"
         self.proc: subprocess.Popen[bytes] | None = None
-        self.crashes = 0
-        self._user: list[str] = []
-        if os.geteuid() == 0:
-            # mariadbd refuses to run as root unless told to; run it as mysql.
-            pw = pwd.getpwnam(_OS_USER)
-            os.chown(self.dir, pw.pw_uid, pw.pw_gid)
-            self._user = [f"--user={_OS_USER}"]
+        self._user = [f"--user={_OS_USER}"] if os.geteuid() == 0 else []
         proc = subprocess.run(
             [
                 INSTALL_DB,
@@ -75,7 +64,7 @@ class ThrowawayMariaDB(PrivateServer):
             check=False,
         )
         if proc.returncode != 0:
-            shutil.rmtree(self.dir, ignore_errors=True)
+            self.destroy()
             raise RuntimeError(f"mariadb-install-db failed: {proc.stderr.strip()[-2000:]}")
 
     @property
@@ -124,27 +113,12 @@ class ThrowawayMariaDB(PrivateServer):
         if self.proc is not None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(timeout=60)
-        self.crashes += 1
-
-    def crash_restart(self) -> float:
-        """Crash, then start again; returns the seconds the server was down."""
-        t0 = time.monotonic()
-        self.crash()
-        self.start()
-        return time.monotonic() - t0
 
     def stop(self) -> None:
+        """SIGKILL: nothing to keep (a crash's recovery is tested by :meth:`crash`)."""
         if self.running and self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(timeout=120)
-
-    def destroy(self) -> None:
-        """Kill the server and delete its directory."""
-        if self.running and self.proc is not None:
-            with contextlib.suppress(Exception):
-                self.proc.kill()
-                self.proc.wait(timeout=60)
-        shutil.rmtree(self.dir, ignore_errors=True)
+            self.proc.kill()
+            self.proc.wait(timeout=60)
 
     # -- addressing ------------------------------------------------------------------
 
@@ -161,9 +135,3 @@ class ThrowawayMariaDB(PrivateServer):
         finally:
             conn.close()
         return self.url(name)
-
-    def tail_log(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.logfile.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""

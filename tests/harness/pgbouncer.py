@@ -1,34 +1,29 @@
-"""A private PgBouncer process in front of a PostgreSQL server, for tests and benchmarks.
+"""A private PgBouncer process in front of a PostgreSQL server.
 
 Runs the Debian package's binary (``scripts/services.sh`` installs it) with its own
 config, auth file, pid file, log and unix socket directory in a temp dir, on a free
-loopback port. Never touches a system pgbouncer service. PgBouncer refuses to run as
-root, so when we are root it runs as the ``postgres`` OS user (the dir is handed to it).
+loopback port, as the ``postgres`` OS user when we are root (it refuses root).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import pwd
 import shutil
 import signal
-import socket
 import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import psycopg
 
-from chaoslib.servers import PrivateServer
+from tests.harness.servers import PrivateServer, as_user, free_port, give, private_dir
 
-__all__ = ["PgBouncer", "pgbouncer_binary", "pgbouncer_version"]
+__all__ = ["PgBouncer"]
 
 _OS_USER = "postgres"
 
 
-def pgbouncer_binary() -> str:
+def _binary() -> str:
     """Path of the pgbouncer binary; a clear error naming the fix when it is missing."""
     found = shutil.which("pgbouncer") or (
         "/usr/sbin/pgbouncer" if os.access("/usr/sbin/pgbouncer", os.X_OK) else None
@@ -36,20 +31,6 @@ def pgbouncer_binary() -> str:
     if found is None:
         raise RuntimeError("pgbouncer is not installed: run `bash scripts/services.sh`")
     return found
-
-
-def pgbouncer_version() -> str:
-    """``PgBouncer 1.18.0`` (first line of ``pgbouncer --version``)."""
-    out = subprocess.run(
-        [pgbouncer_binary(), "--version"], capture_output=True, text=True, check=True
-    )
-    return out.stdout.splitlines()[0].strip()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class PgBouncer(PrivateServer):
@@ -71,8 +52,8 @@ class PgBouncer(PrivateServer):
         self.server_host = server_host
         self.server_port = server_port
         self.pool_mode = pool_mode
-        self.port = _free_port()
-        self.dir = Path(tempfile.mkdtemp(prefix="tg-pgbouncer-"))
+        self.port = free_port()
+        self.dir = private_dir("tg-pgbouncer-", _OS_USER)
         self.config = self.dir / "pgbouncer.ini"
         self.logfile = self.dir / "pgbouncer.log"
         self.pidfile = self.dir / "pgbouncer.pid"
@@ -109,18 +90,15 @@ class PgBouncer(PrivateServer):
         ]
         self.config.write_text("\n".join(lines) + "\n")
         (self.dir / "userlist.txt").write_text('"postgres" ""\n')
-        if os.geteuid() == 0:
-            pw = pwd.getpwnam(_OS_USER)
-            for path in (self.dir, self.config, self.dir / "userlist.txt"):
-                os.chown(path, pw.pw_uid, pw.pw_gid)
+        give(_OS_USER, self.config, self.dir / "userlist.txt")
 
     def start(self, timeout: float = 20.0) -> None:
-        cmd = [pgbouncer_binary(), str(self.config)]
-        if os.geteuid() == 0:
-            cmd = ["runuser", "-u", _OS_USER, "--", *cmd]
         # Foreground process (no -d): we own its pid and can always stop it.
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+            as_user(_OS_USER, [_binary(), str(self.config)]),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
         deadline = time.monotonic() + timeout
         while True:
@@ -151,10 +129,6 @@ class PgBouncer(PrivateServer):
                 self.proc.wait(10)
         self.proc = None
 
-    def destroy(self) -> None:
-        self.stop()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
     # -- addressing --------------------------------------------------------------------
 
     def admin_dsn(self) -> str:
@@ -178,9 +152,3 @@ class PgBouncer(PrivateServer):
             cur = conn.execute(f"SHOW {what}")
             names = [d.name for d in cur.description or []]
             return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
-
-    def tail_log(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.logfile.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
