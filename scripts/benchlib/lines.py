@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import sysconfig
 import time
@@ -31,7 +30,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from benchlib.common import Env, Row, scratch_db
+from benchlib.common import Env, Row, scratch_db, start_worker, stop_worker
 
 SCRIPTS = Path(__file__).resolve().parent.parent
 WARM, RUNS = 50, 100
@@ -215,22 +214,8 @@ def run(env: Env) -> list[Row]:
         prefix = os.environ["TGLINES_PREFIX"]
         r = redis.Redis.from_url(env.redis_url)
         log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"tglines_worker_{env.run_id}.log"
-        penv = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]),
-        }
-        cmd = [sys.executable, "-m", "celery", "-A", "benchlib.lines", "worker", "-P", "prefork"]
-        cmd += ["-c", "1", "-l", "WARNING", "-Q", run_queue, "-n", f"tglines-{env.run_id}@%h"]
-        cmd += ["--without-gossip", "--without-mingle", "--without-heartbeat"]
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                cmd,
-                cwd=SCRIPTS,
-                env=penv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+            proc = start_worker("lines", f"tglines-{env.run_id}", 1, log, queue=run_queue)
         try:
             runs: dict[str, tuple[float, dict[str, float]]] = {}
             for kind in KINDS:
@@ -251,9 +236,7 @@ def run(env: Env) -> list[Row]:
                 sys.stderr.write(log_path.read_text(errors="replace")[-3000:])
             raise
         finally:
-            from benchlib.e2e import _stop_worker
-
-            _stop_worker(proc)
+            stop_worker(proc)
             with contextlib.suppress(Exception), the_app.connection_for_write() as conn:
                 for q in (run_queue, os.environ["TGLINES_PUBLISH_QUEUE"]):
                     conn.default_channel.queue_delete(q)
