@@ -71,7 +71,7 @@ def take_over(
     the hand-off lapsed (it expired while queued). One statement when it is adopted."""
     stored_id = stored_task_id(request.id)
     # "alternate": a copy published for an outage whose hand-off's outcome was unknown
-    # (taskguard.celery.outage) may hold the key under either owner id.
+    # (taskguard.celery.deferral.retry_later) may hold the key under either owner id.
     owners = [str(handed.get("owner"))]
     if handed.get("alternate"):
         owners.append(str(handed["alternate"]))

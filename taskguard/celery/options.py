@@ -126,7 +126,7 @@ class GuardOptions:
     #: Longest wait of ``on_conflict="wait"``; ``None``: ``taskguard_wait_timeout``.
     wait_timeout: float | None = field(default=None, metadata=_checked_by(_seconds))
     #: Raise :class:`~taskguard.LeaseLost` inside the body once its lease is lost
-    #: (see taskguard.celery.interrupt for what each pool can do).
+    #: (see taskguard.celery.renewal.Interrupter for what each pool can do).
     stop_on_lease_loss: bool = field(default=False, metadata=_checked_by(_flag))
     #: [coalesce/rate] Per-key start rate, ``"N/period"`` such as ``"3/2s"`` or
     #: ``"10/m"`` (see taskguard.celery.rate); ``build`` turns it into a :class:`Rate`.

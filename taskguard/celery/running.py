@@ -49,7 +49,7 @@ class Run(ActiveRun):
     """One execution of a guarded task, from admission to release.
 
     The held lease's state (``lease``, ``lost``, ``valid_until``, ``handed_over``,
-    ``interrupter``: :class:`~taskguard.celery.holding.ActiveRun`) plus what the run
+    ``interrupter``: :class:`~taskguard.celery.renewal.ActiveRun`) plus what the run
     knows about its message: the task, its options, the :class:`Header`, the
     arguments, the finished record it checks and leaves (``done``), the pending
     place it holds (``waiting``), whether its body started."""
