@@ -146,9 +146,17 @@ class TaskGuard:
           goes first). Without it, ``acquire`` never blocks.
         """
         return self.try_acquire(
-            key, ttl, task_name=task_name, task_id=task_id, hostname=hostname, pid=pid,
-            slot=slot, limit=limit, min_hold=min_hold, wait=wait,
-        ).lease  # fmt: skip
+            key,
+            ttl,
+            task_name=task_name,
+            task_id=task_id,
+            hostname=hostname,
+            pid=pid,
+            slot=slot,
+            limit=limit,
+            min_hold=min_hold,
+            wait=wait,
+        ).lease
 
     def try_acquire(
         self,
@@ -209,9 +217,13 @@ class TaskGuard:
         return self._outcome(lease, values, holder, waited, seen)
 
     def _outcome(
-        self, lease: Lease | None, values: dict[str, Any], holder: Holder, waited: float | None,
+        self,
+        lease: Lease | None,
+        values: dict[str, Any],
+        holder: Holder,
+        waited: float | None,
         seen: LockInfo | None = None,
-    ) -> Attempt:  # fmt: skip
+    ) -> Attempt:
         key = values["key"]
         if lease is not None:
             if self.history:
@@ -230,9 +242,15 @@ class TaskGuard:
         if self.history:
             what = f"held by {current.describe()}" if current else "holder released before read"
             self._store.history.record(
-                "conflict", key, values["slot"], values["owner"], None, holder,
-                duration=waited, detail=f"gave up; {what}" if waited else what,
-            )  # fmt: skip
+                "conflict",
+                key,
+                values["slot"],
+                values["owner"],
+                None,
+                holder,
+                duration=waited,
+                detail=f"gave up; {what}" if waited else what,
+            )
         return Attempt(None, current)
 
     def release(
@@ -332,9 +350,13 @@ class TaskGuard:
         return self._store.rows(normalize_key(key))
 
     def held(
-        self, prefix: str | None = None, *, include_expired: bool = False,
-        companions: bool = False, limit: int = _DEFAULT_LIMIT,
-    ) -> list[LockInfo]:  # fmt: skip
+        self,
+        prefix: str | None = None,
+        *,
+        include_expired: bool = False,
+        companions: bool = False,
+        limit: int = _DEFAULT_LIMIT,
+    ) -> list[LockInfo]:
         """Live leases (or every row with ``include_expired``) whose key starts with
         ``prefix``, by key; the Celery glue's companion rows (finished runs' records,
         #pending/#rate/#debounce: :mod:`taskguard.companions`) only with ``companions``."""

@@ -232,13 +232,30 @@ _DEFAULTS: dict[str, Any] = {
 #: options ``apply_async`` reads from task attributes.
 CELERY_OPTIONS = frozenset(
     {
-        "shared", "filter", "lazy", "base", "bind", "pydantic", "pydantic_strict",
-        "pydantic_context", "pydantic_dump_kwargs", "autoretry_for", "dont_autoretry_for",
-        "retry_kwargs", "retry_backoff", "retry_backoff_max", "retry_jitter",
-        "queue", "routing_key", "exchange", "delivery_mode", "compression",
-        "immediate", "mandatory",
+        "shared",
+        "filter",
+        "lazy",
+        "base",
+        "bind",
+        "pydantic",
+        "pydantic_strict",
+        "pydantic_context",
+        "pydantic_dump_kwargs",
+        "autoretry_for",
+        "dont_autoretry_for",
+        "retry_kwargs",
+        "retry_backoff",
+        "retry_backoff_max",
+        "retry_jitter",
+        "queue",
+        "routing_key",
+        "exchange",
+        "delivery_mode",
+        "compression",
+        "immediate",
+        "mandatory",
     }
-)  # fmt: skip
+)
 
 
 def _distance(a: str, b: str) -> int:

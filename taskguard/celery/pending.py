@@ -282,9 +282,12 @@ def wait_for_key(
     if another submission is pending already, return the coalesced marker."""
     if lease is None:  # a message published without the pending place (send_task, beat)
         got, other = acquire_or_holder(
-            guard, pending_key(key, task.name), _pending_ttl(task),
-            task_name=task.name, task_id=stored_task_id(request.id),
-        )  # fmt: skip
+            guard,
+            pending_key(key, task.name),
+            _pending_ttl(task),
+            task_name=task.name,
+            task_id=stored_task_id(request.id),
+        )
         if got is None and other is not None:
             into = other.holder.task_id
             signals.lock_conflict.send(sender=task, key=key, holder=holder, action="coalesce")

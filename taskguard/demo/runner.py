@@ -195,8 +195,10 @@ def _install_schema(echo: Callable[[str], None], database_url: str, *, told: boo
         return
     where = mask_url(database_url)
     if not before:
-        echo(f"schema: created taskguard's tables in {where} (at {after}; "
-             "`taskguard db downgrade` removes them)")  # fmt: skip
+        echo(
+            f"schema: created taskguard's tables in {where} (at {after}; "
+            "`taskguard db downgrade` removes them)"
+        )
     elif before != [after]:
         echo(f"schema: upgraded taskguard's schema in {where} from {', '.join(before)} to {after}")
     else:

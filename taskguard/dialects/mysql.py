@@ -303,9 +303,15 @@ class MariaDB(Dialect):
         # CHAR_LENGTH: LENGTH counts bytes here.
         prefix_match = func.substring(t.c.key, 1, func.char_length(prefix)) == prefix
         row_and_now = (
-            t.c.key, t.c.slot, t.c.owner, t.c.token, t.c.acquired_at, t.c.expires_at,
-            *(t.c[c] for c in HOLDER_COLS), now.label("read_at"),
-        )  # fmt: skip
+            t.c.key,
+            t.c.slot,
+            t.c.owner,
+            t.c.token,
+            t.c.acquired_at,
+            t.c.expires_at,
+            *(t.c[c] for c in HOLDER_COLS),
+            now.label("read_at"),
+        )
         by_key = (t.c.key, t.c.slot)
         limit: BindParameter[int] = bindparam("limit")
         return {

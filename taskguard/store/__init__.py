@@ -185,8 +185,10 @@ class Store:
                 raise OutcomeUnknown(
                     f"connection to {self.url} broke again while retrying the acquire of "
                     f"{key!r}; owner {values['owner']} may hold it until its ttl ends",
-                    key, values["owner"], self.url,
-                ) from again  # fmt: skip
+                    key,
+                    values["owner"],
+                    self.url,
+                ) from again
         seen = self.dialect.holders(rows) if limit == 1 else []
         rows = self.dialect.granted(rows, values["owner"], limit > 1)
         if limit > 1:
@@ -205,9 +207,16 @@ class Store:
             return None, infos.live(read, key) or infos.live(read, unless)
         conv = self._conv
         return Lease(
-            key, values["owner"], int(token), conv(acquired_at), conv(expires_at),
-            seconds, int(slot), hold, sent,
-        ), None  # fmt: skip
+            key,
+            values["owner"],
+            int(token),
+            conv(acquired_at),
+            conv(expires_at),
+            seconds,
+            int(slot),
+            hold,
+            sent,
+        ), None
 
     def _recover(
         self, values: dict[str, Any], slot: int | None, cause: DatabaseUnavailable
@@ -222,8 +231,10 @@ class Store:
             raise OutcomeUnknown(
                 f"connection to {self.url} broke while acquiring {key!r} and the outcome "
                 f"could not be read back; owner {owner} may hold it until its ttl ends",
-                key, owner, self.url,
-            ) from cause  # fmt: skip
+                key,
+                owner,
+                self.url,
+            ) from cause
         if info is not None and info.held:
             # Seen is not durable: the grant may be committed on this server only (its
             # wait for a synchronous standby cut short). A no-op write by the owner
@@ -236,8 +247,10 @@ class Store:
                 raise OutcomeUnknown(
                     f"connection to {self.url} broke while confirming the acquire of {key!r}; "
                     f"owner {owner} may hold it until its ttl ends",
-                    key, owner, self.url,
-                ) from cause  # fmt: skip
+                    key,
+                    owner,
+                    self.url,
+                ) from cause
             if rows:
                 token, acquired_at, expires_at = rows[0]
                 log.warning("acquire of %r committed before the connection broke; keeping it", key)
@@ -315,9 +328,14 @@ class Store:
 
     @bounded
     def adopt(
-        self, key: str, owner: str, slot: int, seconds: float, hold: float,
+        self,
+        key: str,
+        owner: str,
+        slot: int,
+        seconds: float,
+        hold: float,
         new: tuple[str, Holder] | None = None,
-    ) -> Lease | None:  # fmt: skip
+    ) -> Lease | None:
         """Renew a live lease known only by its owner id; ``None`` if not held.
         ``new``: the (owner id, holder) it passes to, in the same statement."""
         values: dict[str, Any] = {"key": key, "slot": slot, "owner": owner}
@@ -336,9 +354,13 @@ class Store:
         )
 
     def _extend(
-        self, values: dict[str, Any], seconds: float, hold: float, lease: Lease | None,
+        self,
+        values: dict[str, Any],
+        seconds: float,
+        hold: float,
+        lease: Lease | None,
         handover: bool = False,
-    ) -> list[tuple[Any, ...]] | None:  # fmt: skip
+    ) -> list[tuple[Any, ...]] | None:
         values["ttl"] = self._secs(seconds)
         stmt = self._sql.handover if handover else self._sql.renew
         if hold:
@@ -375,8 +397,10 @@ class Store:
             latest = f" (lease expires by {by.isoformat()} at the latest)" if by else ""
             raise OutcomeUnknown(
                 f"connection to {self.url} broke while {doing} {key!r}; outcome unknown{latest}",
-                key, owner, self.url,
-            ) from cause  # fmt: skip
+                key,
+                owner,
+                self.url,
+            ) from cause
 
     # -- reading rows ----------------------------------------------------------------
 

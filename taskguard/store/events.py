@@ -60,21 +60,38 @@ class EventLog:
         if reason:
             detail = f"{reason}; {detail}" if detail else reason
         self.record(
-            event, lease.key, lease.slot, lease.owner, lease.token,
-            since=lease.acquired_at, detail=detail, stmt=self._sql.record_ended,
-        )  # fmt: skip
+            event,
+            lease.key,
+            lease.slot,
+            lease.owner,
+            lease.token,
+            since=lease.acquired_at,
+            detail=detail,
+            stmt=self._sql.record_ended,
+        )
 
     def handed_over(self, from_owner: str, lease: Lease, holder: Holder) -> None:
         """An exclusive adoption: the old owner's grant ends, the new owner's starts."""
         self.record(
-            "released", lease.key, lease.slot, from_owner, lease.token,
-            since=lease.acquired_at, detail=f"handed over to owner {lease.owner}",
+            "released",
+            lease.key,
+            lease.slot,
+            from_owner,
+            lease.token,
+            since=lease.acquired_at,
+            detail=f"handed over to owner {lease.owner}",
             stmt=self._sql.record_ended,
-        )  # fmt: skip
+        )
         self.record(
-            "acquired", lease.key, lease.slot, lease.owner, lease.token, holder,
-            duration=0.0, detail=f"handed over by owner {from_owner}",
-        )  # fmt: skip
+            "acquired",
+            lease.key,
+            lease.slot,
+            lease.owner,
+            lease.token,
+            holder,
+            duration=0.0,
+            detail=f"handed over by owner {from_owner}",
+        )
 
     def force_released(
         self, key: str, ended: list[tuple[int, str, int, Holder]], by: str | None
@@ -82,9 +99,14 @@ class EventLog:
         """Each lease a force release ended, with the operator's name."""
         for slot, owner, token, holder in ended:
             self.record(
-                "force_released", key, slot, owner, token, holder,
+                "force_released",
+                key,
+                slot,
+                owner,
+                token,
+                holder,
                 detail=f"ended by {by or 'an operator'} (force_release)",
-            )  # fmt: skip
+            )
 
     def record(
         self,
