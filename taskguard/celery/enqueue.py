@@ -19,20 +19,8 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from celery.utils import uuid
-
-from taskguard import signals
-from taskguard.celery import debounce, pending
-from taskguard.celery.deferral import publish_delay
-from taskguard.celery.header import HEADER, Header, stored_task_id
-from taskguard.celery.leasing import (
-    acquire_or_holder,
-    clamp_ttl,
-    held_seconds,
-    release_quietly,
-    send_released,
-)
-from taskguard.config import guard_for
+from taskguard.celery import debounce, handoff, pending
+from taskguard.celery.header import HEADER, Header
 
 __all__ = ["publish"]
 
@@ -60,28 +48,6 @@ def publish(
     if not opts.locks_queue:
         headers[HEADER] = Header(key).to_message()
         return send(args, kwargs, task_id, headers, options)
+    # [queue phase] take the lease, then publish it in the message
 
-    task_id = task_id or uuid()
-    guard = guard_for(task._get_app())
-    ttl = clamp_ttl(task._queue_ttl() + publish_delay(options))
-    lease, holder = acquire_or_holder(
-        guard,
-        key,
-        ttl,
-        task_name=task.name,
-        task_id=stored_task_id(task_id),
-        **opts.acquire_options,
-    )
-    if lease is None:
-        call = (args, kwargs, headers, options)
-        return opts.strategy.at_enqueue(task, send, key, holder, task_id, call)
-    signals.lock_acquired.send(sender=task, key=key, lease=lease)
-    headers[HEADER] = Header(key, lease=lease.to_dict()).to_message()
-    try:
-        return send(args, kwargs, task_id, headers, options)
-    except BaseException:
-        if not task._get_app().conf.task_always_eager:
-            # Nothing was published: the lease must not wait for a worker.
-            released = release_quietly(guard, lease)
-            send_released(task, lease, released, held_seconds(lease))
-        raise
+    return handoff.publish_holding(task, send, key, args, kwargs, task_id, headers, options)

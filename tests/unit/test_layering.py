@@ -28,10 +28,11 @@ CELERY_LAYERS = (
     ("header", "results"),
     # the held lease: taking and giving back, its clock, renewal and loss, finished records
     ("leasing", "renewal", "completions"),
-    # deferred runs: countdowns, re-published copies, outages; leases handed over in a message
-    ("deferral", "handoff"),
-    # behaviours: conflict strategies, rates, pending runs, debounce
-    ("conflicts", "rate", "pending", "debounce"),
+    # deferred runs: countdowns, re-published copies, outages
+    ("deferral",),
+    # behaviours: conflict strategies, the queue phase (and leases handed over in a
+    # message), rates, pending runs, debounce
+    ("conflicts", "handoff", "rate", "pending", "debounce"),
     # the options, declared once (they name the behaviours)
     ("options",),
     # the two sides of a guarded call, and the worker's hooks
