@@ -8,6 +8,7 @@ from taskguard.celery import startup as _startup  # noqa: F401  (connects the st
 from taskguard.celery.decorator import guarded_task
 from taskguard.celery.keys import KeyDeriver, args_digest, canonical
 from taskguard.celery.options import CONFLICT_STRATEGIES, LOCK_PHASES
+from taskguard.celery.pending import is_coalesced
 from taskguard.celery.renewal import check_lease, current_lease
 from taskguard.celery.results import MARKER, SKIPPED, is_skipped, skipped_result
 from taskguard.celery.task import GuardedTask
@@ -26,6 +27,7 @@ __all__ = [
     "check_lease",
     "current_lease",
     "guarded_task",
+    "is_coalesced",
     "is_skipped",
     "skipped_result",
 ]

@@ -79,7 +79,7 @@ def run_guarded(task: Any, request: Any, args: tuple[Any, ...], kwargs: dict[str
         # delivery of this task id had taken before: none of them ran, let alone
         # finished. Otherwise the acquire below refuses a finished task id itself.
     if lease is None:
-        lease, holder, waited = _acquire(task, guard, request, key, ttl, done)
+        lease, holder, waited = _acquire(task, guard, request, key, ttl, done, header)
         if lease is None:
             if track and holder is not None and holder.key == done:
                 if waiting is not None:  # [coalesce/debounce] not a run that will happen
@@ -146,17 +146,25 @@ def _body(
 
 
 def _acquire(
-    task: Any, guard: TaskGuard, request: Any, key: str, ttl: float, done: str | None
+    task: Any,
+    guard: TaskGuard,
+    request: Any,
+    key: str,
+    ttl: float,
+    done: str | None,
+    header: dict[str, Any],
 ) -> tuple[Lease | None, LockInfo | None, float | None]:
     """The run's lease, or the holder that kept it from us (refused, holder the
     record, while the finished record ``done`` is held); with on_conflict="wait"
-    also the seconds waited (one blocking acquire)."""
+    also the seconds waited (one blocking acquire). A start deferred while the key
+    is busy (a pending run, a rate= start) records its first refusal only."""
     opts = task.taskguard_options
     details = {
         "task_name": task.name,
         "task_id": stored_task_id(request.id),
         "hostname": request.hostname,
         "unless": done,
+        "record_refusal": pending.polls_of(header) == 0,
         **opts.acquire_options,
     }
     if opts.on_conflict != "wait":
