@@ -75,9 +75,11 @@ def test_the_start_up_check_finds_the_guides_database(
     guide: str, db_url: str, fresh: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     app = _guide_app(guide, db_url)
+    app.conf.taskguard_histroy = True
     with caplog.at_level(logging.INFO, logger="taskguard"):
         assert run_startup_check(app) is True
     assert ": ok (schema at " in caplog.text
+    assert "unknown setting taskguard_histroy: did you mean taskguard_history?" in caplog.text
 
 
 @pytest.mark.parametrize("guide", GUIDES)
