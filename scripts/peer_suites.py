@@ -14,8 +14,8 @@ the tests that called taskguard's backends (counted per test, not assumed), thos
 switched to taskguard that never called it, those run unchanged (no lock store
 involved) and those not applicable (Redis itself), each with its reason. Nothing
 taskguard reads is set: no ``TASKGUARD_*`` variable reaches the suite (an inherited
-one is removed); the database is named only where the migration guides name it. ``--their-backend``
-runs the same suite on the peer's own backend, for comparison.
+one is removed); the database is named only where the migration guides name it.
+``--their-backend`` runs the same suite on the peer's own backend, for comparison.
 
 Needs, besides taskguard's dev extras: ``pip install fakeredis pytest-mock`` (the
 suites import them), the local Redis (celery-singleton's broker and, with
