@@ -18,6 +18,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from taskguard.compat import backend_url
 from taskguard.exceptions import ConfigurationError
 from taskguard.guard import TaskGuard
 
@@ -112,8 +113,6 @@ def database_url(app: Any = None, explicit: str | None = None) -> str:
     else the app's configuration (``taskguard_database_url``, else the URL its compat
     backend is given, as the migration guides set it), else ``$TASKGUARD_DATABASE_URL``.
     A :class:`ConfigurationError` naming the settings (and a misspelled one) if none is set."""
-    from taskguard.compat import backend_url
-
     conf = getattr(app, "conf", None)
     url = explicit or setting(app, "taskguard_database_url")
     url = url or (backend_url(conf) if conf is not None else None)
@@ -133,17 +132,12 @@ def unknown_settings(app: Any) -> list[str]:
     conf = getattr(app, "conf", None)
     if conf is None:
         return []
-    unknown = sorted(
-        k
-        for k in conf
-        if isinstance(k, str) and k.lower().startswith("taskguard_")
-        if k not in DEFAULTS
-    )
     lines = []
-    for name in unknown:
-        close = difflib.get_close_matches(name.lower(), list(DEFAULTS), n=1)
-        hint = f"did you mean {close[0]}?" if close else "see taskguard.config.DEFAULTS"
-        lines.append(f"unknown setting {name}: {hint}")
+    for name in sorted(k for k in conf if isinstance(k, str) and k not in DEFAULTS):
+        if name.lower().startswith("taskguard_"):
+            close = difflib.get_close_matches(name.lower(), list(DEFAULTS), n=1)
+            hint = f"did you mean {close[0]}?" if close else "see taskguard.config.DEFAULTS"
+            lines.append(f"unknown setting {name}: {hint}")
     return lines
 
 

@@ -3,7 +3,8 @@
 Runs :func:`taskguard.preflight.check_database` once in the worker's main process
 (``celeryd_after_setup``: once the worker's logging is set up, before the pool
 starts) and logs one line: ``ok``, or each problem with its fix; and a warning for
-each unknown ``taskguard_*`` setting, naming the closest known one. What a failed check does depends on the setting:
+each unknown ``taskguard_*`` setting, naming the closest known one. What a failed
+check does depends on the setting:
 
 * ``"stop"`` (default): stop the worker when the configuration is wrong - an
   unusable URL, a schema that is not at this taskguard's head, a missing
