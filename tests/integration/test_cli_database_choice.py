@@ -9,10 +9,8 @@ from pathlib import Path
 
 import pytest
 from cli_runner import CELERY, TASKGUARD, base_env, run
-from click.testing import CliRunner
 
 from taskguard import TaskGuard
-from taskguard.cli import cli
 from taskguard.config import ENV_DATABASE_URL
 
 
@@ -49,23 +47,23 @@ def test_celery_taskguard_acts_on_the_apps_database_not_the_environments(
     assert "in-a" in run([*TASKGUARD, "locks"], env).stdout
 
 
-def test_manage_py_taskguard_ignores_the_environment(
-    two: tuple[str, str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """What ``manage.py taskguard`` hands the command line: the project's URL as the
-    app's configuration (taskguard.contrib.django.management.commands.taskguard)."""
-    from taskguard.contrib.django.management.commands.taskguard import _root_object
+def test_manage_py_taskguard_ignores_the_environment(two: tuple[str, str], tmp_path: Path) -> None:
+    """docs/django.md: the variable is not consulted; the project's database is."""
+    import sys
 
-    a, b = two
+    from integration.django.djangoproject import DjangoSite
+    from integration.django.djangoproject import run as run_django
+
+    a, _ = two
     _hold(a, "in-a")
-    _hold(b, "in-b")
-    monkeypatch.setenv(ENV_DATABASE_URL, a)
-    monkeypatch.setattr(
-        "taskguard.contrib.django.conf.celery_settings", dict
-    )  # no Django settings module here
-    out = CliRunner().invoke(cli, ["locks"], obj=_root_object(b))
-    assert out.exit_code == 0, out.output
-    assert "in-b" in out.output and "in-a" not in out.output
+    site = DjangoSite("sqlite", str(tmp_path / "site.sqlite"))
+    site.manage("migrate")
+    _hold(f"sqlite:///{tmp_path / 'site.sqlite'}", "in-site")
+    env = {**site.env(), ENV_DATABASE_URL: a}
+    for argv in (["locks"], ["check"]):
+        out = run_django([sys.executable, "manage.py", "taskguard", *argv], env).stdout
+        assert "a.sqlite" not in out and "in-a" not in out, out
+    assert "in-site" in run_django([sys.executable, "manage.py", "taskguard", "locks"], env).stdout
 
 
 @pytest.mark.parametrize("argv", [["locks"], ["show", "k"], ["explain", "k"], ["check"]])
