@@ -71,30 +71,32 @@ def celery_app(ctx: click.Context) -> Any:
     return getattr(ctx.find_root().obj, "app", None)
 
 
-def resolve_url(ctx: click.Context, option: str | None) -> str:
+def resolve_url(ctx: click.Context, option: str | None, *, existing: bool = False) -> str:
     """The database the command acts on, read as the workers read it
     (:func:`taskguard.config.database_url`): ``--database-url``, else the app's
     configuration under ``celery -A proj taskguard`` or ``manage.py taskguard``, else
-    ``$TASKGUARD_DATABASE_URL``. One line and exit 2 when there is none."""
+    ``$TASKGUARD_DATABASE_URL``. One line and exit 2 when there is none, or when
+    ``existing`` and connecting would create the database (a SQLite path that does
+    not exist: commands that read or end locks create nothing)."""
     app = celery_app(ctx)
     try:
-        return database_url(app, explicit=option)
+        url = database_url(app, explicit=option)
     except ConfigurationError as exc:
         if app is None:
             fail(f"no database URL: pass --database-url or set {ENV_DATABASE_URL}", EXIT_USAGE)
         fail(exc)
+    missing = missing_database(url) if existing else None
+    if missing:
+        fail(missing, EXIT_USAGE)
+    return url
 
 
 @contextmanager
 def open_guard(ctx: click.Context, option: str | None) -> Iterator[TaskGuard]:
     """A guard for the command's database and settings, disposed after the block;
-    taskguard errors inside the block leave through the one error path. A SQLite file
-    that does not exist is refused, never created (these commands only read or end
-    locks; ``taskguard db upgrade`` creates the database)."""
-    url = resolve_url(ctx, option)
-    missing = missing_database(url)
-    if missing:
-        fail(missing, EXIT_USAGE)
+    taskguard errors inside the block leave through the one error path. A database
+    that does not exist is refused, never created (``taskguard db upgrade`` creates it)."""
+    url = resolve_url(ctx, option, existing=True)
     with failing_as_one_line(url):
         guard = build_guard(celery_app(ctx), url=url)
         try:

@@ -66,7 +66,9 @@ def test_manage_py_taskguard_ignores_the_environment(two: tuple[str, str], tmp_p
     assert "in-site" in run_django([sys.executable, "manage.py", "taskguard", "locks"], env).stdout
 
 
-@pytest.mark.parametrize("argv", [["locks"], ["show", "k"], ["explain", "k"], ["check"]])
+@pytest.mark.parametrize(
+    "argv", [["locks"], ["show", "k"], ["explain", "k"], ["check"], ["db", "current"]]
+)
 def test_a_sqlite_path_that_does_not_exist_is_refused_not_created(
     argv: list[str], tmp_path: Path
 ) -> None:
