@@ -15,13 +15,13 @@ from __future__ import annotations
 import click
 
 from taskguard.cli import cli
-from taskguard.cli.errors import EXIT_USAGE, fail
+from taskguard.cli.errors import EXIT_USAGE, OneLineGroup, fail
 from taskguard.cli.root import CONTEXT_SETTINGS, celery_app, quiet_library_logs
 
 __all__ = ["taskguard_command"]
 
 
-class _SameCommands(click.Group):
+class _SameCommands(OneLineGroup):
     """Serves whatever commands the ``taskguard`` root group has, looked up lazily so
     command groups registered later appear here too."""
 
