@@ -10,9 +10,12 @@ https://github.com/steinitzu/celery-singleton; its package and tests are used as
 they are (nothing of theirs is copied here). The suite runs with pytest in PATH,
 with scripts/peer_suites_plugin.py switching the backend by configuration and
 answering the tests' few direct Redis calls from ``task_locks``; the summary counts
-the tests run against taskguard, those run unchanged (no lock store involved) and
-those not applicable (Redis itself), each with its reason. ``--their-backend``
-runs the same suite on the peer's own backend, for comparison.
+the tests that called taskguard's backends (counted per test, not assumed), those
+switched to taskguard that never called it, those run unchanged (no lock store
+involved) and those not applicable (Redis itself), each with its reason. Nothing
+taskguard reads is set: no ``TASKGUARD_*`` variable reaches the suite (an inherited
+one is removed); the database is named only where the migration guides name it.
+``--their-backend`` runs the same suite on the peer's own backend, for comparison.
 
 Needs, besides taskguard's dev extras: ``pip install fakeredis pytest-mock`` (the
 suites import them), the local Redis (celery-singleton's broker and, with
@@ -79,13 +82,16 @@ def scratch_database(kind: str) -> Iterator[str]:
         drop(url)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # Everything after "--" goes to pytest as it is (argparse would read it as PATH's).
+    split = argv.index("--") if "--" in argv else len(argv)
+    own, pytest_args = argv[:split], argv[split + 1 :]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("path", type=Path, help="a checkout of celery-once or celery-singleton")
     parser.add_argument("--database", default="sqlite", help="sqlite, postgresql, mariadb or a URL")
     parser.add_argument("--their-backend", action="store_true", help="the peer's own backend")
-    parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
-    args = parser.parse_args()
+    args = parser.parse_args(own)
     path = args.path.resolve()
     suite = next((name for name in SUITES if (path / name).is_dir()), None)
     if suite is None:
@@ -98,15 +104,17 @@ def main() -> int:
 
     redis.Redis.from_url(REDIS_URL).flushdb()  # only the suite's own database
     with scratch_database(args.database) as url:
-        env = dict(os.environ)
+        # Only the guides' configuration names the database (the plugin puts this URL
+        # in ONCE / singleton_backend_url): nothing taskguard itself reads is set.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TASKGUARD_")}
         env.update(
             PEER_BACKEND="theirs" if args.their_backend else "taskguard",
-            TASKGUARD_DATABASE_URL=url,
+            PEER_DATABASE_URL=url,
             CELERY_SINGLETON_TEST_REDIS_URL=REDIS_URL,
             PYTHONPATH=os.pathsep.join(p for p in (str(SCRIPTS), env.get("PYTHONPATH")) if p),
         )
         cmd = [sys.executable, "-m", "pytest", "-p", "peer_suites_plugin", "-p", "no:django"]
-        cmd += ["-p", "no:cacheprovider", "-rfEs", *SUITES[suite], *args.pytest_args]
+        cmd += ["-p", "no:cacheprovider", "-rfEs", *SUITES[suite], *pytest_args]
         print(f"$ cd {path} && {' '.join(cmd)}   # locks in {url}", flush=True)
         return subprocess.run(cmd, cwd=path, env=env, check=False).returncode
 

@@ -14,12 +14,18 @@ What it changes, and only this:
   ``flushall``, ``redis.lock.Lock``) are answered from ``task_locks`` by
   :class:`LockView`. Tests of Redis itself are skipped as not applicable, with why.
 
-Each test is counted in a category (against taskguard, unchanged because it
-involves no lock store, not applicable); the terminal summary gives the counts.
+The lock database is the one the harness names in ``PEER_DATABASE_URL`` (its own
+variable: nothing taskguard reads), given to the backends only as the guides do.
+
+Each test is counted in a category: called taskguard (it made at least one call into
+taskguard's backends: counted, not assumed), switched but never called it,
+unchanged because it involves no lock store, not applicable; the terminal summary
+gives the counts.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -60,12 +66,27 @@ UNCHANGED = {
 }
 
 _TASKGUARD = os.environ.get("PEER_BACKEND", "taskguard") == "taskguard"
+_URL = os.environ.get("PEER_DATABASE_URL", "")
 _categories: dict[str, str] = {}
 _outcomes: dict[str, str] = {}
+#: Calls into taskguard's backends, per test node id (setup and teardown included).
+_calls: Counter[str] = Counter()
+_running = [""]
+#: The backends' methods the peers call.
+_ENTRY_POINTS = ("raise_or_lock", "clear_lock", "lock", "unlock", "get", "clear")
 
 
 def _guard() -> TaskGuard:
-    return guard_for(url=os.environ["TASKGUARD_DATABASE_URL"])
+    return guard_for(url=_URL)
+
+
+def _counted(method: Any) -> Any:
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        _calls[_running[0]] += 1
+        return method(*args, **kwargs)
+
+    return call
 
 
 class LockView:
@@ -119,6 +140,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
         OnceBackend.redis = property(LockView)
         SingletonBackend.redis = property(LockView)
+        for backend in (OnceBackend, SingletonBackend):
+            for name in _ENTRY_POINTS:
+                if name in vars(backend):
+                    setattr(backend, name, _counted(vars(backend)[name]))
         if os.path.isdir("celery_singleton"):
             # Tests that build or mock "the Redis backend class" by name get taskguard's
             # (its name is bound when test modules import it, so before collection).
@@ -154,15 +179,20 @@ def _taskguard_backend(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
         return
     from taskguard.compat.celery_once import Backend as OnceBackend
+    from taskguard.compat.celery_singleton import Backend as SingletonBackend
 
-    module, url = request.module, os.environ["TASKGUARD_DATABASE_URL"]
+    module, url = request.module, _URL
     patch = pytest.MonkeyPatch()
     names = vars(module)
     if "FakeStrictRedis" in names:  # celery-once's Redis scenarios use fakeredis
         patch.setattr(module, "FakeStrictRedis", LockView)
         patch.setattr(module, "RedisLock", HeldLock)
-    if "Redis" in names:  # the unit tests build the backend themselves
+    # The unit tests build the backend themselves, with the Redis URL: the lock
+    # database's instead, where the guides put it (ONCE url, singleton_backend_url).
+    if "Redis" in names:
         patch.setattr(module, "Redis", lambda settings: OnceBackend({**settings, "url": url}))
+    if "RedisBackend" in names and "backend" in request.fixturenames:
+        patch.setattr(module, "RedisBackend", lambda _redis_url, **kw: SingletonBackend(url, **kw))
     app = names.get("app")
     once = getattr(getattr(app, "conf", None), "ONCE", None)
     if once and once["backend"] != "tests.backends.TestBackend":
@@ -187,6 +217,10 @@ def _taskguard_backend(request: pytest.FixtureRequest) -> Iterator[None]:
         LockView().flushall()
 
 
+def pytest_runtest_logstart(nodeid: str, location: Any) -> None:
+    _running[0] = nodeid
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.when == "call" or report.outcome != "passed":
         _outcomes.setdefault(report.nodeid, report.outcome)
@@ -194,16 +228,34 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             _outcomes[report.nodeid] = report.outcome
 
 
+def _final_category(nodeid: str) -> str:
+    category = _categories.get(nodeid, "?")
+    if category == "taskguard":
+        return "called taskguard" if _calls[nodeid] else "switched, no call"
+    return category
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    counts = Counter((_categories.get(n, "?"), o) for n, o in _outcomes.items())
+    counts = Counter((_final_category(n), o) for n, o in _outcomes.items())
     terminalreporter.section("peer suite: outcomes by category")
     for (category, outcome), n in sorted(counts.items()):
-        terminalreporter.write_line(f"{category:16} {outcome:8} {n}")
+        terminalreporter.write_line(f"{category:18} {outcome:8} {n}")
+    if _TASKGUARD:
+        called = [n for n in _outcomes if _calls[n]]
+        terminalreporter.write_line(
+            f"{len(called)} test(s) called taskguard's backends "
+            f"({sum(_calls[n] for n in called)} calls)"
+        )
     path = os.environ.get("PEER_REPORT")
     if path:
         with open(path, "w") as out:
             rows = [
-                {"test": n, "category": _categories.get(n), "outcome": o}
+                {
+                    "test": n,
+                    "category": _final_category(n),
+                    "outcome": o,
+                    "taskguard_calls": _calls[n],
+                }
                 for n, o in _outcomes.items()
             ]
             json.dump(rows, out, indent=1)

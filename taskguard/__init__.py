@@ -31,6 +31,7 @@ if TYPE_CHECKING:
         check_lease,
         current_lease,
         guarded_task,
+        is_coalesced,
         is_skipped,
     )
     from taskguard.celery.reaper import reap_expired_locks, schedule_reaper
@@ -66,6 +67,7 @@ __all__ = [
     "check_lease",
     "current_lease",
     "guarded_task",
+    "is_coalesced",
     "is_skipped",
     "metadata",
     "normalize_key",
@@ -86,6 +88,7 @@ _CELERY_NAMES = {
     "check_lease": "taskguard.celery",
     "current_lease": "taskguard.celery",
     "guarded_task": "taskguard.celery",
+    "is_coalesced": "taskguard.celery",
     "is_skipped": "taskguard.celery",
     "reap_expired_locks": "taskguard.celery.reaper",
     "schedule_reaper": "taskguard.celery.reaper",

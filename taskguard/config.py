@@ -11,12 +11,14 @@ children never share a socket with the parent.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
 import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from taskguard.compat import backend_url
 from taskguard.exceptions import ConfigurationError
 from taskguard.guard import TaskGuard
 
@@ -28,6 +30,7 @@ __all__ = [
     "guard_for",
     "reset_guards",
     "setting",
+    "unknown_settings",
 ]
 
 ENV_DATABASE_URL = "TASKGUARD_DATABASE_URL"
@@ -104,16 +107,38 @@ def setting(app: Any, name: str) -> Any:
     return DEFAULTS[name] if value is None else value
 
 
-def database_url(app: Any = None) -> str:
-    """The lock database URL: ``app.conf.taskguard_database_url``, else
-    ``$TASKGUARD_DATABASE_URL``; a :class:`ConfigurationError` naming both if neither is set."""
-    url = setting(app, "taskguard_database_url") or os.environ.get(ENV_DATABASE_URL)
+def database_url(app: Any = None, explicit: str | None = None) -> str:
+    """Which database ``app``'s taskguard uses, read one way by the workers, the start-up
+    check, the reaper, the command line and Django: ``explicit`` (a ``--database-url``),
+    else the app's configuration (``taskguard_database_url``, else the URL its compat
+    backend is given, as the migration guides set it), else ``$TASKGUARD_DATABASE_URL``.
+    A :class:`ConfigurationError` naming the settings (and a misspelled one) if none is set."""
+    conf = getattr(app, "conf", None)
+    url = explicit or setting(app, "taskguard_database_url")
+    url = url or (backend_url(conf) if conf is not None else None)
+    url = url or os.environ.get(ENV_DATABASE_URL)
     if not url:
+        hints = "".join(f"; {hint}" for hint in unknown_settings(app))
         raise ConfigurationError(
             "taskguard has no database URL: set app.conf.taskguard_database_url "
-            f"or the {ENV_DATABASE_URL} environment variable"
+            f"or the {ENV_DATABASE_URL} environment variable{hints}"
         )
     return str(url)
+
+
+def unknown_settings(app: Any) -> list[str]:
+    """One line per ``taskguard_*`` key of ``app``'s configuration that taskguard does
+    not know, naming the closest known one."""
+    conf = getattr(app, "conf", None)
+    if conf is None:
+        return []
+    lines = []
+    for name in sorted(k for k in conf if isinstance(k, str) and k not in DEFAULTS):
+        if name.lower().startswith("taskguard_"):
+            close = difflib.get_close_matches(name.lower(), list(DEFAULTS), n=1)
+            hint = f"did you mean {close[0]}?" if close else "see taskguard.config.DEFAULTS"
+            lines.append(f"unknown setting {name}: {hint}")
+    return lines
 
 
 @dataclass(frozen=True)

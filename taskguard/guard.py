@@ -172,6 +172,7 @@ class TaskGuard:
         min_hold: float | timedelta | None = None,
         wait: float | timedelta | None = None,
         unless: str | None = None,
+        record_refusal: bool = True,
     ) -> Attempt:
         """:meth:`acquire`, also saying who holds the key when it is taken: an
         :class:`~taskguard.lease.Attempt` ``(lease, holder)`` with the holder read
@@ -179,7 +180,8 @@ class TaskGuard:
 
         ``unless=K``: refused while key K is held, e.g. a :class:`Marker` left by
         :meth:`release` (checked by the acquire statement itself where the dialect
-        can); the holder is then K's row if ``key`` itself is free."""
+        can); the holder is then K's row if ``key`` itself is free.
+        ``record_refusal=False``: a refusal is logged, not recorded in the history."""
         key = normalize_key(key)
         if unless is not None:
             unless = normalize_key(unless)
@@ -189,7 +191,7 @@ class TaskGuard:
         if limit == 1 and min_hold is None and wait is None and type(limit) is int:
             values = store.grant_values(key, slot, new_owner(), seconds, holder, 1, unless)
             lease, seen = store.grant_seeing(values, seconds)
-            return self._outcome(lease, values, holder, None, seen)
+            return self._outcome(lease, values, holder, None, seen, record_refusal)
         n = validate_limit(limit, slot)
         hold = optional_seconds(min_hold, "min_hold")
         waiting = optional_seconds(wait, "wait")
@@ -214,7 +216,7 @@ class TaskGuard:
             slots = range(slot, slot + 1) if n == 1 else range(n)
             lease = wait_for(store, attempt, key, values["owner"], slots, waiting)
             waited = time.monotonic() - started
-        return self._outcome(lease, values, holder, waited, seen)
+        return self._outcome(lease, values, holder, waited, seen, record_refusal)
 
     def _outcome(
         self,
@@ -223,6 +225,7 @@ class TaskGuard:
         holder: Holder,
         waited: float | None,
         seen: LockInfo | None = None,
+        record_refusal: bool = True,
     ) -> Attempt:
         key = values["key"]
         if lease is not None:
@@ -239,7 +242,7 @@ class TaskGuard:
             log.info("lock %r busy; holder released before it could be read%s", key, gave_up)
         else:
             log.info("lock %r is held by %s%s", key, current.describe(), gave_up)
-        if self.history:
+        if self.history and record_refusal:
             what = f"held by {current.describe()}" if current else "holder released before read"
             self._store.history.record(
                 "conflict",
@@ -262,15 +265,20 @@ class TaskGuard:
 
         ``marker``: also take that key for ``marker.ttl`` seconds (either way), in the
         same statement on PostgreSQL; see ``unless=`` of :meth:`try_acquire`.
-        ``reason``: why someone other than the holder released it (recorded in the
-        history, e.g. ``"worker process lost: signal 9"``)."""
+        ``reason``: recorded in the history (why it was released for its holder)."""
         if marker is not None:
             marker = validate_marker(marker, lease.key, self.hostname)
         ended, by_statement = self._store.release(lease, marker)
         if by_statement and self.history:
-            event = "released" if ended else "lost"
-            self._store.history.ended(lease, event, "at release", reason)
+            self._store.history.ended(lease, "released" if ended else "lost", "at release", reason)
         return ended
+
+    def record_event(self, key: str, event: str, detail: str, **holder: Any) -> None:
+        """With history on, record an event of an integration's (``"coalesced"``: a
+        submission merged into a pending run); ``holder``: as :meth:`acquire`'s."""
+        if self.history:
+            who = holder_for(self.hostname, **holder)
+            self._store.history.record(event, normalize_key(key), 0, None, None, who, detail=detail)
 
     def renew(self, lease: Lease, ttl: float | timedelta | None = None) -> bool:
         """Extend the lease to ``ttl`` (default: its original ttl) from now, by the

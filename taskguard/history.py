@@ -30,6 +30,7 @@ __all__ = ["EVENTS", "RELEASED", "LockEvent", "explain", "secs", "story", "with_
 EVENTS = {
     "acquired": "acquired",
     "conflict": "turned away",
+    "coalesced": "merged",
     "released": "released",
     "lost": "lost",
     "taken_over": "taken over",

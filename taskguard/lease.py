@@ -101,6 +101,26 @@ class LockInfo:
     read_at: datetime
 
     @property
+    def task_name(self) -> str | None:
+        """The holder's task name (``holder.task_name``)."""
+        return self.holder.task_name
+
+    @property
+    def task_id(self) -> str | None:
+        """The holder's task id (``holder.task_id``)."""
+        return self.holder.task_id
+
+    @property
+    def hostname(self) -> str | None:
+        """The holder's host or worker node name (``holder.hostname``)."""
+        return self.holder.hostname
+
+    @property
+    def pid(self) -> int | None:
+        """The holder's process id (``holder.pid``)."""
+        return self.holder.pid
+
+    @property
     def held(self) -> bool:
         """Whether the lease was live when the row was read (database clock)."""
         return self.expires_at > self.read_at

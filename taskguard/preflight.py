@@ -29,7 +29,7 @@ from taskguard.exceptions import ConfigurationError, TaskGuardError
 from taskguard.store.errors import translate_error
 from taskguard.urls import mask_url, parse_url
 
-__all__ = ["CheckResult", "check_database"]
+__all__ = ["CheckResult", "check_database", "missing_database"]
 
 log = logging.getLogger("taskguard")
 
@@ -55,6 +55,17 @@ class CheckResult:
         return f"taskguard: {self.url}: " + "; ".join(self.problems)
 
 
+def missing_database(url: str | URL) -> str | None:
+    """The problem, if ``url``'s database cannot exist yet and connecting would create
+    it (a SQLite path that does not exist: a typo then looks like a database with no
+    locks); ``None`` otherwise, a bad URL included (reported where it is used)."""
+    try:
+        parsed = parse_url(url)
+        return dialect_for(parsed.get_backend_name()).missing_database(parsed)
+    except ConfigurationError:
+        return None
+
+
 def check_database(url_or_engine: str | URL | Engine, *, timeout: float = 5.0) -> CheckResult:
     """Check URL, connectivity, schema revision and privileges; never raises for a
     problem with the database (it is reported in the result)."""
@@ -63,6 +74,10 @@ def check_database(url_or_engine: str | URL | Engine, *, timeout: float = 5.0) -
         result = CheckResult(mask_url(engine.url))
     else:
         result = CheckResult(mask_url(url_or_engine))
+        missing = missing_database(url_or_engine)
+        if missing:
+            result.problems.append(missing)
+            return result
         try:
             parsed = parse_url(url_or_engine)
             # Not a database taskguard knows, or a driver it does not support here.

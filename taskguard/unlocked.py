@@ -91,9 +91,12 @@ class NoLockGuard:
         """The handed-over lease, always still held."""
         return self._lease(key, ttl, int(kw.get("slot", 0)), owner)
 
-    def release(self, lease: Lease, *, marker: Any = None) -> bool:
+    def release(self, lease: Lease, *, marker: Any = None, reason: Any = None) -> bool:
         """Nothing to give back; a ``marker`` is not kept (nothing is ever refused)."""
         return True
+
+    def record_event(self, key: str, event: str, detail: str, **holder: Any) -> None:
+        """No history without locks."""
 
     def renew(self, lease: Lease, ttl: float | timedelta | None = None) -> bool:
         return True

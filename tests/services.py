@@ -5,6 +5,7 @@ the docs' blocks (tests/docs) and the journeys (tests/journey).
 Redis databases are fixed per user of them so that no two workers consuming
 Celery's default queue ``celery`` can meet:
 
+     1  tests/journey/test_journey_migrations.py (a queue per case)
      8  tests/journey/test_journey_djangofeeds.py
      9  tests/journey/test_journey_alembic.py
     10  tests/journey/test_journey_install.py

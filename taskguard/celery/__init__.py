@@ -6,6 +6,7 @@ settings) and docs/behaviour.md (retries, eager mode, fencing tokens, signals).
 
 from taskguard.celery import startup as _startup  # noqa: F401  (connects the start-up check)
 from taskguard.celery.options import CONFLICT_STRATEGIES, LOCK_PHASES
+from taskguard.celery.pending import is_coalesced
 from taskguard.celery.renewal import check_lease, current_lease
 from taskguard.celery.results import MARKER, SKIPPED, is_skipped, skipped_result
 from taskguard.celery.task import GuardedTask, guarded_task
@@ -25,6 +26,7 @@ __all__ = [
     "check_lease",
     "current_lease",
     "guarded_task",
+    "is_coalesced",
     "is_skipped",
     "skipped_result",
 ]

@@ -67,6 +67,7 @@ __all__ = [
     "merged",
     "pending_key",
     "publish_coalesced",
+    "record_merge",
     "started",
     "take_place",
     "wait_for_key",
@@ -181,10 +182,22 @@ def merged(
     the worker to return when the submission is part of a canvas."""
     into = holder.holder.task_id
     log.info("merged %s[%s] into pending run %s of key %r", task.name, task_id, into, key)
+    record_merge(guard_for(task._get_app()), task, key, task_id, into)
     signals.lock_conflict.send(sender=task, key=key, holder=holder, action="coalesce")
     signals.run_coalesced.send(sender=task, key=key, task_id=task_id, into=into, replaced=False)
     value = coalesced_result(task=task.name, task_id=task_id, key=key, into=into, phase="queue")
     return answered(task, send, key, task_id, value, args, kwargs, headers, options)
+
+
+def record_merge(guard: TaskGuard, task: Any, key: str, task_id: str, into: str | None) -> None:
+    """The history's record of a submission merged into the pending run ``into``."""
+    guard.record_event(
+        key,
+        "coalesced",
+        f"merged into pending run {into}",
+        task_name=task.name,
+        task_id=stored_task_id(task_id),
+    )
 
 
 # -- worker ---------------------------------------------------------------------------------
@@ -290,6 +303,7 @@ def wait_for_key(
         )
         if got is None and other is not None:
             into = other.holder.task_id
+            record_merge(guard, task, key, request.id, into)
             signals.lock_conflict.send(sender=task, key=key, holder=holder, action="coalesce")
             signals.run_coalesced.send(
                 sender=task, key=key, task_id=request.id, into=into, replaced=False

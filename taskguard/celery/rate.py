@@ -8,7 +8,8 @@ key: each start takes one of the N slot rows of ``<key>#rate`` with
 own lock is the task's key, as without a rate). ``min_hold=S`` on the task's own
 key is the same statement with N = 1 that also keeps runs apart. A start over the
 rate is deferred (published again with a countdown until the first slot frees),
-never dropped.
+never dropped; so is, unless ``on_conflict`` is given, a start that finds the key
+itself held (``GuardOptions.defer_busy``: re-checked like a pending run).
 """
 
 from __future__ import annotations

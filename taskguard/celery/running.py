@@ -163,6 +163,9 @@ class Run(ActiveRun):
             "task_id": stored_task_id(request.id),
             "hostname": request.hostname,
             "unless": self.done,
+            # A start deferred while the key is busy (a pending run, a rate= start)
+            # records its first refusal only.
+            "record_refusal": self.header.polls == 0,
             **opts.acquire_options,
         }
         if not opts.strategy.waits:

@@ -1,8 +1,10 @@
 """The start-up check when a Celery worker starts (``taskguard_startup_check``).
 
 Runs :func:`taskguard.preflight.check_database` once in the worker's main process
-(``worker_init``, before the pool starts) and logs one line: ``ok``, or each
-problem with its fix. What a failed check does depends on the setting:
+(``celeryd_after_setup``: once the worker's logging is set up, before the pool
+starts) and logs one line: ``ok``, or each problem with its fix; and a warning for
+each unknown ``taskguard_*`` setting, naming the closest known one. What a failed
+check does depends on the setting:
 
 * ``"stop"`` (default): stop the worker when the configuration is wrong - an
   unusable URL, a schema that is not at this taskguard's head, a missing
@@ -21,9 +23,10 @@ import logging
 import os
 from typing import Any
 
-from celery.signals import worker_init
+from celery.signals import celeryd_after_setup
 
-from taskguard.config import ENV_DATABASE_URL, database_url, setting
+from taskguard.compat import configured
+from taskguard.config import ENV_DATABASE_URL, database_url, setting, unknown_settings
 from taskguard.exceptions import ConfigurationError
 from taskguard.preflight import check_database
 
@@ -48,9 +51,11 @@ def run_startup_check(app: Any) -> bool:
         return True
     try:
         url = database_url(app)
-    except ConfigurationError as exc:
+    except ConfigurationError as exc:  # names the unknown settings too
         log.error("taskguard start-up check: %s", exc)
         return mode == "log"
+    for line in unknown_settings(app):
+        log.warning("taskguard start-up check: %s", line)
     timeout = min(5.0, float(setting(app, "taskguard_call_timeout")))
     result = check_database(url, timeout=timeout)
     if result.ok:
@@ -75,16 +80,15 @@ def uses_taskguard(app: Any) -> bool:
         name.startswith("taskguard_") and conf.get(name) is not None for name in conf
     ):
         return True
-    backends = (conf.get("ONCE") or {}).get("backend"), conf.get("singleton_backend_class")
-    return any(isinstance(b, str) and b.startswith("taskguard.") for b in backends)
+    return bool(configured(conf))
 
 
-def _on_worker_init(sender: Any = None, **_: Any) -> None:
-    app = getattr(sender, "app", None)
+def _on_worker_setup(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    app = getattr(instance, "app", None)
     if app is None or not uses_taskguard(app) or run_startup_check(app):
         return
     # Signal handlers' exceptions are logged and swallowed; SystemExit is not.
     raise SystemExit(1)
 
 
-worker_init.connect(_on_worker_init, weak=False, dispatch_uid="taskguard.celery.startup")
+celeryd_after_setup.connect(_on_worker_setup, weak=False, dispatch_uid="taskguard.celery.startup")

@@ -4,8 +4,10 @@ Celery loads :data:`taskguard_command` through the ``celery.commands`` entry poi
 and runs it with its own root context, whose ``obj`` (Celery's ``CLIContext``)
 carries the app. The subcommands are the very same click commands as the
 ``taskguard`` script; only the default database URL and settings differ: they are
-the app's (``taskguard_database_url``, ``taskguard_durable``, ``taskguard_reaper_*``,
-...; see :func:`taskguard.cli.root.open_guard`). An explicit ``--database-url`` still wins.
+the app's, read as its workers read them (``taskguard_database_url`` or the compat
+backend's URL, ``taskguard_durable``, ``taskguard_reaper_*``, ...; see
+:func:`taskguard.cli.root.resolve_url`): an explicit ``--database-url`` wins, and
+``$TASKGUARD_DATABASE_URL`` only counts when the app names no database.
 """
 
 from __future__ import annotations
@@ -13,13 +15,13 @@ from __future__ import annotations
 import click
 
 from taskguard.cli import cli
-from taskguard.cli.errors import EXIT_USAGE, fail
+from taskguard.cli.errors import EXIT_USAGE, OneLineGroup, fail
 from taskguard.cli.root import CONTEXT_SETTINGS, celery_app, quiet_library_logs
 
 __all__ = ["taskguard_command"]
 
 
-class _SameCommands(click.Group):
+class _SameCommands(OneLineGroup):
     """Serves whatever commands the ``taskguard`` root group has, looked up lazily so
     command groups registered later appear here too."""
 

@@ -53,7 +53,7 @@ def upgrade(ctx: click.Context, database_url: str | None, revision: str) -> None
 @click.pass_context
 def downgrade(ctx: click.Context, database_url: str | None, revision: str, yes: bool) -> None:
     """Revert migrations down to REVISION (default: base, which drops task_locks)."""
-    url = resolve_url(ctx, database_url)
+    url = resolve_url(ctx, database_url, existing=True)
     before = _own_heads(url)
     if revision == "base" and not yes:
         click.confirm(f"Drop taskguard's tables from {mask_url(url)}?", abort=True)
@@ -77,7 +77,7 @@ def _report(url: str, before: list[str], after: list[str]) -> None:
 @click.pass_context
 def current(ctx: click.Context, database_url: str | None) -> None:
     """Print the applied revision (or 'base') and the newest available."""
-    url = resolve_url(ctx, database_url)
+    url = resolve_url(ctx, database_url, existing=True)
     with failing_as_one_line(url):
         state = schema.installed(url)
     newest = schema.head()

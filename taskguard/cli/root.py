@@ -16,6 +16,7 @@ from taskguard.cli.errors import EXIT_USAGE, OneLineGroup, fail, failing_as_one_
 from taskguard.config import ENV_DATABASE_URL, build_guard, database_url
 from taskguard.exceptions import ConfigurationError
 from taskguard.guard import TaskGuard
+from taskguard.preflight import missing_database
 
 __all__ = [
     "CONTEXT_SETTINGS",
@@ -52,13 +53,16 @@ def quiet_library_logs() -> None:
 
 
 def database_url_option(fn: F) -> F:
-    """``--database-url`` falling back to ``$TASKGUARD_DATABASE_URL``."""
+    """``--database-url``; without it, the app's configuration, else
+    ``$TASKGUARD_DATABASE_URL`` (:func:`resolve_url`)."""
     return click.option(
         "--database-url",
         "database_url",
-        envvar=ENV_DATABASE_URL,
         metavar="URL",
-        help=f"SQLAlchemy URL of the lock database (default: ${ENV_DATABASE_URL}).",
+        help=(
+            "SQLAlchemy URL of the lock database (default: the Celery or Django app's, "
+            f"else ${ENV_DATABASE_URL})."
+        ),
     )(fn)
 
 
@@ -67,25 +71,32 @@ def celery_app(ctx: click.Context) -> Any:
     return getattr(ctx.find_root().obj, "app", None)
 
 
-def resolve_url(ctx: click.Context, option: str | None) -> str:
-    """``--database-url`` (or ``$TASKGUARD_DATABASE_URL``); under ``celery`` the app's
-    ``taskguard_database_url``. One line and exit 2 when there is none."""
-    if option:
-        return option
+def resolve_url(ctx: click.Context, option: str | None, *, existing: bool = False) -> str:
+    """The database the command acts on, read as the workers read it
+    (:func:`taskguard.config.database_url`): ``--database-url``, else the app's
+    configuration under ``celery -A proj taskguard`` or ``manage.py taskguard``, else
+    ``$TASKGUARD_DATABASE_URL``. One line and exit 2 when there is none, or when
+    ``existing`` and connecting would create the database (a SQLite path that does
+    not exist: commands that read or end locks create nothing)."""
     app = celery_app(ctx)
-    if app is None:
-        fail(f"no database URL: pass --database-url or set {ENV_DATABASE_URL}", EXIT_USAGE)
     try:
-        return database_url(app)
+        url = database_url(app, explicit=option)
     except ConfigurationError as exc:
+        if app is None:
+            fail(f"no database URL: pass --database-url or set {ENV_DATABASE_URL}", EXIT_USAGE)
         fail(exc)
+    missing = missing_database(url) if existing else None
+    if missing:
+        fail(missing, EXIT_USAGE)
+    return url
 
 
 @contextmanager
 def open_guard(ctx: click.Context, option: str | None) -> Iterator[TaskGuard]:
     """A guard for the command's database and settings, disposed after the block;
-    taskguard errors inside the block leave through the one error path."""
-    url = resolve_url(ctx, option)
+    taskguard errors inside the block leave through the one error path. A database
+    that does not exist is refused, never created (``taskguard db upgrade`` creates it)."""
+    url = resolve_url(ctx, option, existing=True)
     with failing_as_one_line(url):
         guard = build_guard(celery_app(ctx), url=url)
         try:

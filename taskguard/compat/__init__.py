@@ -10,6 +10,8 @@ imported until its backend module is.
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from typing import Any
 
 from taskguard.dialects import dialect_for
@@ -19,7 +21,16 @@ from taskguard.keys import MIN_TTL
 from taskguard.lease import Lease, LockInfo
 from taskguard.urls import parse_url
 
-__all__ = ["DEFAULT_EXPIRY", "celery_app", "end_lease", "end_live_lease", "names_lock_database"]
+__all__ = [
+    "DEFAULT_EXPIRY",
+    "backend_url",
+    "calling_task_name",
+    "configured",
+    "configuring_app",
+    "end_lease",
+    "end_live_lease",
+    "names_lock_database",
+]
 
 #: Seconds a lock lasts when the peer asks for one that never expires (celery-singleton's
 #: ``expiry=None``, celery-once's ``timeout=None``): one hour, celery-once's default
@@ -28,11 +39,54 @@ __all__ = ["DEFAULT_EXPIRY", "celery_app", "end_lease", "end_live_lease", "names
 DEFAULT_EXPIRY = 3600.0
 
 
-def celery_app() -> Any:
-    """The current Celery app (the peers hand their backends no app)."""
-    from celery import current_app
+def configured(conf: Any) -> dict[str, str | None]:
+    """The peers whose lock store is taskguard's in this Celery configuration, each with
+    the URL it is given (``ONCE["settings"]["url"]``, ``singleton_backend_url``) or
+    ``None``: ``{"celery_once": ..., "celery_singleton": ...}``, absent peers left out."""
+    found: dict[str, str | None] = {}
+    once = conf.get("ONCE")
+    if isinstance(once, dict) and _is_ours(once.get("backend")):
+        found["celery_once"] = (once.get("settings") or {}).get("url")
+    if _is_ours(conf.get("singleton_backend_class")):
+        found["celery_singleton"] = conf.get("singleton_backend_url")
+    return found
 
-    return current_app._get_current_object()
+
+def _is_ours(backend: Any) -> bool:
+    path = backend if isinstance(backend, str) else getattr(backend, "__module__", None)
+    return isinstance(path, str) and path.startswith("taskguard.compat.")
+
+
+def backend_url(conf: Any) -> str | None:
+    """The lock database a compat backend of this configuration is given, if any."""
+    urls = [url for url in configured(conf).values() if names_lock_database(url)]
+    return str(urls[0]) if urls else None
+
+
+def configuring_app(configures: Callable[[Any], bool]) -> Any:
+    """The Celery app whose configuration built a backend: the peers hand their backends
+    their own settings only, and ``celery.current_app`` is per thread (in a thread
+    that did not make the app, an empty default one). The process's configured app
+    whose ``conf`` ``configures`` accepts, the current one preferred; else the current
+    app (a backend made by hand)."""
+    from celery import current_app
+    from celery._state import _get_active_apps
+
+    current = current_app._get_current_object()
+    if configures(current.conf):
+        return current
+    others = (a for a in list(_get_active_apps()) if a.configured and configures(a.conf))
+    return next(others, current)
+
+
+def calling_task_name() -> str | None:
+    """The name of the peer's task whose method called the backend method that calls
+    this (``QueueOnce.apply_async``, ``Singleton.aquire_lock``): the peers hand their
+    backends no task, and the row should name it."""
+    from celery import Task
+
+    caller = sys._getframe(2).f_locals.get("self")
+    return caller.name if isinstance(caller, Task) else None
 
 
 def names_lock_database(url: object) -> bool:

@@ -15,7 +15,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from taskguard.compat import DEFAULT_EXPIRY, celery_app, end_live_lease
+from taskguard.compat import (
+    DEFAULT_EXPIRY,
+    calling_task_name,
+    configuring_app,
+    end_live_lease,
+)
 from taskguard.config import guard_for
 from taskguard.exceptions import ConfigurationError
 from taskguard.guard import TaskGuard
@@ -35,11 +40,14 @@ class Backend:
     :meth:`clear_lock` when its run ends.
 
     celery-once builds its backend again on every publish and every run: this only
-    looks up the process's guard for the URL (one engine per URL per process)."""
+    looks up the process's guard for the URL (one engine per URL per process), and
+    the app whose ``ONCE`` setting it was built from (in any thread)."""
 
     def __init__(self, settings: Mapping[str, Any]) -> None:
         url = settings.get("url")
-        self._app = celery_app()
+        self._app = configuring_app(
+            lambda conf: (conf.get("ONCE") or {}).get("settings") is settings
+        )
         self._url = None if url is None else str(url)
         self._timeout: float = settings.get("default_timeout") or DEFAULT_EXPIRY
         self._wait: float | None = None
@@ -67,7 +75,9 @@ class Backend:
         logged with the holder). ``timeout=None`` means ``default_timeout`` (one
         hour without it), not a lock that never expires."""
         ttl = self._timeout if timeout is None else timeout
-        lease, holder = self.guard.try_acquire(key, ttl, wait=self._wait)
+        lease, holder = self.guard.try_acquire(
+            key, ttl, wait=self._wait, task_name=calling_task_name()
+        )
         if lease is None:
             left = holder.expires_in.total_seconds() if holder is not None else 0.0
             raise AlreadyQueued(max(left, 0.0))

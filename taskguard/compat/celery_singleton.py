@@ -14,7 +14,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from taskguard.compat import DEFAULT_EXPIRY, celery_app, end_lease, names_lock_database
+from taskguard.compat import (
+    DEFAULT_EXPIRY,
+    calling_task_name,
+    configured,
+    configuring_app,
+    end_lease,
+    names_lock_database,
+)
 from taskguard.config import guard_for
 from taskguard.exceptions import ConfigurationError
 from taskguard.guard import TaskGuard
@@ -39,7 +46,15 @@ class Backend:
                 "taskguard's backend takes none: remove them (engine options go in "
                 "taskguard_engine_options)"
             )
-        self._app = celery_app()
+        # celery-singleton keeps this backend for the whole process: the app whose
+        # configuration names it and this URL, whichever thread published first.
+        self._app = configuring_app(
+            lambda conf: (
+                "celery_singleton" in configured(conf)
+                and url
+                in (conf.get(k) for k in ("singleton_backend_url", "result_backend", "broker_url"))
+            )
+        )
         explicit = self._app.conf.get("singleton_backend_url") is not None
         self._url = url if explicit or names_lock_database(url) else None
         try:
@@ -58,7 +73,8 @@ class Backend:
         ``expiry=None`` means one hour (:data:`~taskguard.compat.DEFAULT_EXPIRY`),
         not a lock that never expires."""
         ttl = DEFAULT_EXPIRY if expiry is None else expiry
-        return self.guard.try_acquire(lock, ttl, task_id=task_id).lease is not None
+        attempt = self.guard.try_acquire(lock, ttl, task_name=calling_task_name(), task_id=task_id)
+        return attempt.lease is not None
 
     def unlock(self, lock: str) -> None:
         """End ``lock``'s live lease. Called by a running task for its own key, it

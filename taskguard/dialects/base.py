@@ -358,6 +358,10 @@ class Dialect:
                 + (f"; or use {ways}" if len(self.drivers) > 1 else "")
             )
 
+    def missing_database(self, url: URL) -> str | None:
+        """Why ``url`` names no database, which connecting would create empty, or None."""
+        return None
+
     def check_server(self, sa_dialect: SADialect) -> None:
         """A :class:`~taskguard.ConfigurationError` (one line) if the server a
         connection reached is one taskguard cannot keep locks in (after connecting)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import sqlite3
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import (
@@ -197,6 +198,17 @@ class SQLite(Dialect):
                         time.sleep(0.01)
             finally:
                 cur.close()
+
+    def missing_database(self, url: URL) -> str | None:
+        if _is_memory(url) or "uri" in url.query:
+            return None
+        path = Path(str(url.database))
+        if path.exists():
+            return None
+        return (
+            f"no SQLite database at {str(path.resolve())!r}: check the path, or create it "
+            "with taskguard db upgrade"
+        )
 
     def serializes_threads(self, url: URL) -> bool:
         return _is_memory(url)

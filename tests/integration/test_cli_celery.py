@@ -49,6 +49,15 @@ def test_celery_taskguard_dash_h_is_help(url: str) -> None:
     assert "--database-url" in run([*CELERY, "locks", "-h"], env).stdout
 
 
+def test_celery_taskguard_usage_errors_are_one_line(url: str) -> None:
+    """An unknown subcommand under ``celery -A proj taskguard`` is one line naming the
+    command meant, like ``taskguard lock`` (it printed Click's usage block)."""
+    env = {**base_env(), "OPS_APP_DATABASE_URL": url}
+    err = run([*CELERY, "lock"], env, code=2).stderr.strip()
+    assert err.count("\n") == 0 and err.startswith("taskguard: no command 'lock'")
+    assert "taskguard locks`?" in err
+
+
 # -- one guard factory (issue 12) ------------------------------------------------------------
 
 

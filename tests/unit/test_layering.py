@@ -19,6 +19,9 @@ INTEGRATIONS = (
     "taskguard.demo",
     "taskguard.contrib",
 )
+#: Known exceptions (importer, integration): config reads the database URL a compat
+#: backend's own setting names (taskguard.compat.backend_url), one reading of the URL.
+BELOW_INTEGRATIONS_ALLOWED = {("taskguard.config", "taskguard.compat")}
 #: The modules that may import the storage layer (taskguard.store): the API.
 STORE_USERS = {"taskguard.guard", "taskguard.waiting", "taskguard.preflight", "taskguard.schema"}
 #: The Celery integration's layers, bottom first (docs/architecture.md): a module
@@ -168,7 +171,11 @@ def test_only_the_api_imports_the_storage_layer() -> None:
 def test_nothing_below_the_integrations_imports_one() -> None:
     # taskguard/__init__.py names the integration's public API (loaded on first use).
     offenders = {
-        m: sorted(t for t in targets if t.startswith(INTEGRATIONS))
+        m: sorted(
+            t
+            for t in targets
+            if t.startswith(INTEGRATIONS) and (m, t) not in BELOW_INTEGRATIONS_ALLOWED
+        )
         for m, targets in _graph().items()
         if not m.startswith(INTEGRATIONS) and m != "taskguard"
     }

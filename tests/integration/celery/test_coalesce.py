@@ -110,6 +110,30 @@ def test_a_killed_run_reads_as_killed_in_the_history(penv: PendingEnv) -> None:
     assert "worker process lost" in released.describe()
 
 
+def test_the_history_records_a_pending_wait_once_and_each_merge(penv: PendingEnv) -> None:
+    """Issue 33, defect 8: a pending run re-checking a busy key is one "turned away"
+    event (it was one per re-check, growing with the holder's run time), and each
+    submission merged into it is recorded."""
+    task = penv.task("tgp.coalesce")
+    kid = penv.key_id("story")
+    key = f"co:{kid}"
+    holder = penv.guard.acquire(key, 30, task_name="holder")
+    assert holder is not None
+    pending = task.delay(kid, "pending", 0.1)
+    time.sleep(0.5)
+    merged = [task.delay(kid, f"m{i}", 0.1) for i in range(3)]
+    time.sleep(3.0)  # several re-checks
+    assert penv.guard.release(holder)
+    assert pending.get(timeout=30) == "pending"
+    events = penv.guard.events(key, limit=200)
+    waits = [e for e in events if e.event == "conflict" and e.holder.task_id == pending.id]
+    assert len(waits) == 1, [e.describe() for e in events]
+    merges = [e for e in events if e.event == "coalesced"]
+    assert sorted(e.holder.task_id or "" for e in merges) == sorted(m.id for m in merged)
+    assert all(e.detail and pending.id in e.detail for e in merges), merges
+    assert "merged" in merges[0].describe()
+
+
 def test_a_revoked_pending_run_gives_its_place_back(penv: PendingEnv) -> None:
     task = penv.task("tgp.coalesce")
     kid = penv.key_id("revoked")

@@ -104,6 +104,13 @@ def test_a_worker_on_an_unmigrated_database_stops_at_start(empty_pg_url: str) ->
     assert "taskguard db upgrade" in line and "stopping the worker" in line, line
 
 
+def test_a_worker_logs_the_start_up_checks_ok_line_at_info(pg_url: str) -> None:
+    """docs/operations.md: the check logs one line, ``ok`` included (issue 33)."""
+    code, out = _worker_exit(pg_url, {}, timeout=20)
+    assert code is None, out[-3000:]  # still running: we had to kill it
+    assert ": ok (schema at " in out, out[-3000:]
+
+
 def test_a_worker_with_an_unreachable_database_starts_and_logs(empty_pg_url: str) -> None:
     """Default "stop" mode: an outage only logs (guarded tasks fail closed meanwhile)."""
     code, out = _worker_exit("postgresql+psycopg://postgres@127.0.0.1:1/nothing", {}, timeout=20)

@@ -196,7 +196,7 @@ def test_once_a_redis_url_left_in_its_settings_is_refused_naming_them(
 
 def test_singleton_url_falls_back_to_the_taskguard_database(app: Celery, db_url: str) -> None:
     """Without singleton_backend_url celery-singleton passes the broker's URL."""
-    app.conf.singleton_backend_url = None
+    app.conf.update(singleton_backend_url=None, broker_url="redis://127.0.0.1:6379/0")
     assert SingletonBackend("redis://127.0.0.1:6379/0").guard is guard_for(app)
     app.conf.singleton_backend_url = "redis://127.0.0.1:6379/0"
     with pytest.raises(ConfigurationError, match=r"^singleton_backend_url: .*redis"):
