@@ -63,7 +63,7 @@ class Command(BaseCommand):
         log = open(settings.VAR_DIR / "workers.log", "a")  # noqa: SIM115
         workers = [
             subprocess.Popen([sys.executable, "manage.py", "db_worker", "--interval", "0.1",
-                              "--no-startup-delay", "--worker-id", f"feeds-{n}-{batch[:6]}"],
+                              "--no-startup-delay", "--no-reload", "--worker-id", f"feeds-{n}-{batch[:6]}"],
                              stdout=log, stderr=subprocess.STDOUT)
             for n in range(options["workers"])
         ]  # fmt: skip
