@@ -146,16 +146,18 @@ class _Run:
         self.outcome: Any = None
         self.active: ActiveRun | None = None
         self._beat: Heartbeat | None = None
-        self._token: Any = None
 
-    def begin(self) -> bool:
-        """Take the lease; ``False`` when the body must not run (see ``outcome``)."""
+    def begin(self) -> ActiveRun | None:
+        """Take the lease: the run to enter, or ``None`` when the body must not run
+        (then ``outcome`` is what the task returns)."""
         spec, guard, ttl = self.spec, self.guard, self.spec.lease_ttl()
         lease = self._adopt(ttl) if spec.lock != "run" else None
         if spec.lock == "queue":
             if lease is not None:
                 guard.release(lease)
-            return True  # the queue lease ends when the run starts; the run holds none
+            # The queue lease ends when the run starts; the run holds none.
+            self.active = ActiveRun(guard, self.key, None, None)
+            return self.active
         if lease is None:
             wait = None
             if spec.on_conflict == "wait":
@@ -171,11 +173,10 @@ class _Run:
             )
             if lease is None:
                 self.outcome = self._conflict(holder)
-                return False
+                return None
         self.active = ActiveRun(guard, self.key, lease, None)
-        self._token = enter_run(self.active)
         self._beat = Heartbeat(self.active, None, self.task_id).start()
-        return True
+        return self.active
 
     def _adopt(self, ttl: float) -> Lease | None:
         # The lease GuardedBackend took for this job at enqueue (its holder names the job).
@@ -208,7 +209,7 @@ class _Run:
                         "key": self.key, "retry_id": again.id}  # fmt: skip
             log.warning("task %s: on_conflict='retry' but backend %r cannot defer a job; skipped",
                         spec.name, task.backend)  # fmt: skip
-        log.info(
+        log.warning(
             "task %s (%s) skipped: lock %r is held by %s", spec.name, self.task_id, self.key, who
         )
         return skipped_result(
@@ -216,11 +217,10 @@ class _Run:
         )
 
     def end(self) -> None:
-        if self.active is None:
+        if self.active is None or self.active.lease is None:
             return
-        assert self._beat is not None and self.active.lease is not None
+        assert self._beat is not None
         self._beat.stop()
-        exit_run(self._token)
         if not self.guard.release(self.active.lease):
             log.warning("task %s: lease on %r had expired or been taken over at release",
                         self.spec.name, self.key)  # fmt: skip
@@ -250,11 +250,14 @@ def guarded(func: Callable[..., Any] | None = None, **options: Any) -> Any:
             @functools.wraps(f)
             async def run_async(*args: Any, **kwargs: Any) -> Any:
                 run = _Run(spec, args, kwargs)
-                if not await asyncio.to_thread(run.begin):
+                active = await asyncio.to_thread(run.begin)
+                if active is None:
                     return run.outcome
+                token = enter_run(active)  # in the body's own context
                 try:
                     return await f(*args, **kwargs)
                 finally:
+                    exit_run(token)
                     await asyncio.to_thread(run.end)
 
             run_async.taskguard = spec  # type: ignore[attr-defined]
@@ -263,11 +266,14 @@ def guarded(func: Callable[..., Any] | None = None, **options: Any) -> Any:
         @functools.wraps(f)
         def run_sync(*args: Any, **kwargs: Any) -> Any:
             run = _Run(spec, args, kwargs)
-            if not run.begin():
+            active = run.begin()
+            if active is None:
                 return run.outcome
+            token = enter_run(active)
             try:
                 return f(*args, **kwargs)
             finally:
+                exit_run(token)
                 run.end()
 
         run_sync.taskguard = spec  # type: ignore[attr-defined]
