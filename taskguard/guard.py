@@ -3,17 +3,17 @@ layers over it; every statement it sends goes through :mod:`taskguard.store`."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import URL, Engine
 
+from taskguard.aio import AsyncLeases
 from taskguard.companions import without_companions
 from taskguard.deadline import DEFAULT_CALL_TIMEOUT
 from taskguard.exceptions import InvalidKey, LockHeld
@@ -46,7 +46,7 @@ DEFAULT_HISTORY_RETENTION = 7 * 24 * 3600.0
 _DEFAULT_LIMIT = 10_000
 
 
-class TaskGuard:
+class TaskGuard(AsyncLeases):
     """Per-key leases stored in ``task_locks``.
 
     ``url_or_engine`` is a SQLAlchemy URL (taskguard creates and owns a small
@@ -55,7 +55,7 @@ class TaskGuard:
 
     Every lease operation is one short statement (two at most under a concurrency
     limit) judged by the database clock, and is safe to call from several threads;
-    only ``acquire(..., wait=...)`` blocks, and only up to its timeout.
+    only ``acquire(..., wait=...)`` blocks, and only up to its timeout (asyncio: ``aacquire`` etc.).
 
     ``durable=False`` (PostgreSQL, own engine only) trades crash durability of
     recent grants for speed; see docs/reliability.md before using it.
@@ -317,41 +317,6 @@ class TaskGuard:
             yield lease
         finally:
             if not self.release(lease):
-                late = "lease on %r (owner %s) had already expired or been taken over at release"
-                log.warning(late, lease.key, lease.owner)
-
-    # -- the same, for asyncio ---------------------------------------------------
-    # Each call runs its (short) statement on a worker thread, so the event loop is
-    # never blocked, not even by ``wait=``; the lease rules are the sync methods'.
-
-    async def aacquire(self, key: str, ttl: float | timedelta, **options: Any) -> Lease | None:
-        """:meth:`acquire` without blocking the event loop."""
-        return await asyncio.to_thread(self.acquire, key, ttl, **options)
-
-    async def atry_acquire(self, key: str, ttl: float | timedelta, **options: Any) -> Attempt:
-        """:meth:`try_acquire` without blocking the event loop."""
-        return await asyncio.to_thread(self.try_acquire, key, ttl, **options)
-
-    async def arelease(self, lease: Lease, **options: Any) -> bool:
-        """:meth:`release` without blocking the event loop."""
-        return await asyncio.to_thread(self.release, lease, **options)
-
-    async def arenew(self, lease: Lease, ttl: float | timedelta | None = None) -> bool:
-        """:meth:`renew` without blocking the event loop."""
-        return await asyncio.to_thread(self.renew, lease, ttl)
-
-    @asynccontextmanager
-    async def alock(
-        self, key: str, ttl: float | timedelta, **holder_details: Any
-    ) -> AsyncIterator[Lease]:
-        """``async with guard.alock(key, ttl) as lease:``, as :meth:`lock`."""
-        lease, holder = await self.atry_acquire(key, ttl, **holder_details)
-        if lease is None:
-            raise LockHeld(normalize_key(key), holder)
-        try:
-            yield lease
-        finally:
-            if not await self.arelease(lease):
                 late = "lease on %r (owner %s) had already expired or been taken over at release"
                 log.warning(late, lease.key, lease.owner)
 
