@@ -30,7 +30,7 @@ from taskguard.celery.results import MARKER, skipped_result
 from taskguard.config import guard_for, setting
 from taskguard.contrib.django import conf
 from taskguard.contrib.django_tasks.framework import task_finished, task_started
-from taskguard.exceptions import AlreadyLocked, ConfigurationError
+from taskguard.exceptions import AlreadyLocked, ConfigurationError, TaskGuardError
 from taskguard.guard import TaskGuard
 from taskguard.keys import validate_limit, validate_ttl
 from taskguard.lease import Lease, LockInfo
@@ -118,10 +118,13 @@ def _spec(func: Callable[..., Any], options: dict[str, Any]) -> GuardSpec:
             f"task {name}: on_conflict='existing' answers a duplicate enqueue with the "
             "queued job's result: use lock='queue' or 'queue_and_run' (and GuardedBackend)"
         )
-    for seconds in ("ttl", "queue_ttl", "wait_timeout", "retry_countdown"):
-        if options.get(seconds) is not None:
-            options[seconds] = validate_ttl(options[seconds], name=seconds)
-    validate_limit(options.get("limit", 1), 0)
+    try:
+        for seconds in ("ttl", "queue_ttl", "wait_timeout", "retry_countdown"):
+            if options.get(seconds) is not None:
+                options[seconds] = validate_ttl(options[seconds], name=seconds)
+        validate_limit(options.get("limit", 1), 0)
+    except TaskGuardError as exc:
+        raise ConfigurationError(f"task {name}: {exc}") from None
     known = {f for f in GuardSpec.__dataclass_fields__ if f not in ("name", "keys")}
     unknown = sorted(set(options) - known)
     if unknown:
