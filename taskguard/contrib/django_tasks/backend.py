@@ -13,6 +13,7 @@ import functools
 import logging
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from django.utils.module_loading import import_string
 
 from taskguard.contrib.django_tasks.framework import BaseTaskBackend, TaskResult
@@ -55,9 +56,15 @@ class GuardedBackend(BaseTaskBackend):  # type: ignore[misc,unused-ignore]
             )
         return _in_front_of(import_string(path))(alias=alias, params=inner)
 
+    async def aenqueue(self, task: Any, args: Any, kwargs: Any) -> Any:
+        # Some backends' own aenqueue does not go through enqueue (django-tasks-db's).
+        if _queue_locked(task) is None:
+            return await super().aenqueue(task, args, kwargs)
+        return await sync_to_async(self.enqueue, thread_sensitive=True)(task, args, kwargs)
+
     def enqueue(self, task: Any, args: Any, kwargs: Any) -> Any:
-        spec: GuardSpec | None = getattr(task.func, "taskguard", None)
-        if spec is None or spec.lock == "run":
+        spec = _queue_locked(task)
+        if spec is None:
             return super().enqueue(task, args, kwargs)  # type: ignore[safe-super,unused-ignore]
         key = spec.keys.derive(args, kwargs)
         guard, ttl = project_guard(), spec.queue_ttl or spec.lease_ttl()
@@ -83,6 +90,11 @@ class GuardedBackend(BaseTaskBackend):  # type: ignore[misc,unused-ignore]
         guard.adopt(key, lease.owner, ttl, slot=lease.slot, exclusive=True,
                     task_name=spec.name, task_id=result.id)  # fmt: skip
         return result
+
+
+def _queue_locked(task: Any) -> GuardSpec | None:
+    spec: GuardSpec | None = getattr(task.func, "taskguard", None)
+    return spec if spec is not None and spec.lock != "run" else None
 
 
 @functools.cache

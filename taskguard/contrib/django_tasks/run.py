@@ -142,7 +142,11 @@ class _Run:
     def __init__(self, spec: GuardSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.spec, self.args, self.kwargs = spec, args, kwargs
         context_result = args[0].task_result if spec.takes_context and args else None
-        self.result = context_result or _started.get(None)
+        result = context_result or _started.get(None)
+        # (a guarded function called directly inside another task's body is not that job)
+        self.result = (
+            result if result is not None and result.task.module_path == spec.name else None
+        )
         self.task_id: str | None = self.result.id if self.result is not None else None
         self.key = spec.key(args, kwargs)
         self.guard = project_guard()

@@ -6,6 +6,7 @@ it is a new job and
 the other worker runs it to the end (its lease renewed past the ttl). Prints JSON.
 """
 
+import asyncio
 import json
 import os
 import signal
@@ -44,7 +45,8 @@ try:
     os.kill(victim, signal.SIGKILL)
     killed_at = time.monotonic()
     # While the dead run's lease lives, an enqueue is answered with its job.
-    answered_while_held = import_feed_once.enqueue(FEED, "kill").id == first.id
+    # (aenqueue: django-tasks-db's own aenqueue does not call enqueue; GuardedBackend's does)
+    answered_while_held = asyncio.run(import_feed_once.aenqueue(FEED, "kill")).id == first.id
     second = first
     while second.id == first.id:
         time.sleep(0.1)
