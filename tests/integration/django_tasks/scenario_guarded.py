@@ -9,6 +9,7 @@ import django
 django.setup()
 
 from django.core.management import call_command  # noqa: E402
+from django.utils.timezone import now  # noqa: E402
 from tinytasks import tasks  # noqa: E402
 
 from taskguard.contrib.django_tasks import is_skipped, project_guard  # noqa: E402
@@ -28,6 +29,14 @@ r = tasks.skipping.enqueue(1)
 out["skipped"] = is_skipped(r.return_value) and r.return_value["holder"]["owner"] == held.owner
 r = tasks.raising.enqueue(1)
 out["raised"] = r.status == "FAILED" and r.errors[0].exception_class.__name__ == "AlreadyLocked"
+# on_conflict="retry" where the backend can defer: the job ends, a new one waits 30 s.
+r = tasks.retrying.enqueue(1)
+call_command("db_worker", "--batch", "--backend", "queue", "--no-startup-delay", "--no-reload")
+r.refresh()
+again = tasks.retrying.get_result(r.return_value["retry_id"])
+wait = (again.task.run_after - now()).total_seconds() if again.task.run_after else None
+out["deferred"] = r.return_value["__taskguard__"] == "deferred" and again.status == "READY"
+out["deferred_30s"] = wait is not None and 20 < wait <= 30
 guard.release(held)
 
 # takes_context: the context is not part of the key; the holder names the job.

@@ -1,13 +1,13 @@
 """A minimal Django project for tests/integration/django_tasks/test_guarded.py: the
 locks in a SQLite file (TINYSITE_DB), tasks run in-process by ImmediateBackend behind
-GuardedBackend."""
+GuardedBackend (and django-tasks-db behind it, for deferred jobs)."""
 
 import importlib.util
 import os
 
 SECRET_KEY = "tinysite"
 USE_TZ = True
-INSTALLED_APPS = ["taskguard.contrib.django", "tinytasks"]
+INSTALLED_APPS = ["taskguard.contrib.django", "django_tasks_db", "tinytasks"]
 if importlib.util.find_spec("django.tasks") is None:
     INSTALLED_APPS.append("django_tasks")
 DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": os.environ["TINYSITE_DB"]}}
@@ -20,7 +20,12 @@ TASKS = {
     "default": {
         "BACKEND": "taskguard.contrib.django_tasks.GuardedBackend",
         "OPTIONS": {"BACKEND": _IMMEDIATE},
-    }
+    },
+    # A backend that can defer jobs (on_conflict="retry"); run by `db_worker --batch`.
+    "queue": {
+        "BACKEND": "taskguard.contrib.django_tasks.GuardedBackend",
+        "OPTIONS": {"BACKEND": "django_tasks_db.DatabaseBackend"},
+    },
 }
 TASKGUARD_HISTORY = True
 LOGGING = {

@@ -50,3 +50,9 @@ async def slow_async(item: int) -> int:
 @task(key="kw:{item}", ttl=5, lock="queue_and_run", on_conflict="existing")
 def by_task_kwargs(item: int) -> int:
     return _note("by_task_kwargs")
+
+
+@task(backend="queue")
+@guarded(key="item:{item}", ttl=5, on_conflict="retry", retry_countdown=30)
+def retrying(item: int) -> int:
+    return _note("retrying")
