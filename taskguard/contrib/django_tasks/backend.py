@@ -44,6 +44,9 @@ class GuardedBackend(BaseTaskBackend):  # type: ignore[misc,unused-ignore]
     job's lease expires. Other tasks pass through untouched.
     """
 
+    #: What a guarded run checks before it relies on a lease taken at enqueue.
+    takes_queue_leases = True
+
     def __new__(cls, alias: str, params: dict[str, Any]) -> Any:
         if cls is not GuardedBackend:
             return super().__new__(cls)

@@ -158,6 +158,15 @@ class _Run:
         """Take the lease: the run to enter, or ``None`` when the body must not run
         (then ``outcome`` is what the task returns)."""
         spec, guard, ttl = self.spec, self.guard, self.spec.lease_ttl()
+        if spec.lock != "run" and self.result is not None:
+            backend = self.result.task.get_backend()
+            if not getattr(backend, "takes_queue_leases", False):
+                raise ConfigurationError(
+                    f"task {spec.name}: lock={spec.lock!r} needs the enqueue to take the lock: "
+                    f"set TASKS[{backend.alias!r}]['BACKEND'] to "
+                    "'taskguard.contrib.django_tasks.GuardedBackend' (the current backend "
+                    "in its OPTIONS), or use lock='run'"
+                )
         lease = self._adopt(ttl) if spec.lock != "run" else None
         if spec.lock == "queue":
             if lease is not None:

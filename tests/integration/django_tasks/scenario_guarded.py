@@ -61,4 +61,11 @@ out["async_aenqueue"] = asyncio.run(enqueue_async())
 r = tasks.by_task_kwargs.enqueue(5)
 out["task_kwargs_ran"] = r.status == "SUCCESSFUL" and tasks.SEEN[-1][1] == "kw:5"
 out["task_kwargs_released"] = not guard.get("kw:5").held
+
+# lock="queue_and_run" on a backend that is not a GuardedBackend: an error, not a run
+# that silently went without its enqueue-time lock.
+r = tasks.queued_without_guarded_backend.enqueue(6)
+out["needs_guarded_backend"] = (
+    r.status == "FAILED" and r.errors[0].exception_class.__name__ == "ConfigurationError"
+)
 print(json.dumps(out))

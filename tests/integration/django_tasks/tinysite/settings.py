@@ -21,6 +21,8 @@ TASKS = {
         "BACKEND": "taskguard.contrib.django_tasks.GuardedBackend",
         "OPTIONS": {"BACKEND": _IMMEDIATE},
     },
+    # No GuardedBackend: lock="queue" tasks must fail here, not run unlocked.
+    "plain": {"BACKEND": _IMMEDIATE},
     # A backend that can defer jobs (on_conflict="retry"); run by `db_worker --batch`.
     "queue": {
         "BACKEND": "taskguard.contrib.django_tasks.GuardedBackend",

@@ -56,3 +56,9 @@ def by_task_kwargs(item: int) -> int:
 @guarded(key="item:{item}", ttl=5, on_conflict="retry", retry_countdown=30)
 def retrying(item: int) -> int:
     return _note("retrying")
+
+
+@task(backend="plain")
+@guarded(key="item:{item}", lock="queue_and_run")
+def queued_without_guarded_backend(item: int) -> int:
+    return _note("queued_without_guarded_backend")
