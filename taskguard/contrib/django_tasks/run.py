@@ -140,7 +140,7 @@ class _Run:
     runs, releases it after. ``outcome`` is set instead when the body must not run."""
 
     def __init__(self, spec: GuardSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self.spec, self.args, self.kwargs = spec, args, kwargs
+        self.spec = spec
         context_result = args[0].task_result if spec.takes_context and args else None
         result = context_result or _started.get(None)
         # (a guarded function called directly inside another task's body is not that job)
@@ -251,12 +251,12 @@ def guarded(func: Callable[..., Any] | None = None, **options: Any) -> Any:
 
     Options (as ``@guarded_task``'s): ``key`` / ``key_args``, ``ttl`` (default
     ``TASKGUARD_DEFAULT_TTL``), ``limit``, ``on_conflict`` (``"skip"``: return
-    taskguard's skipped marker; ``"raise"``: fail with :class:`~taskguard.LockHeld`;
+    taskguard's skipped marker; ``"raise"``: fail with :class:`~taskguard.AlreadyLocked`;
     ``"wait"``: up to ``wait_timeout``; ``"retry"``: enqueue again after
     ``retry_countdown`` where the backend can defer), and for
     :class:`GuardedBackend`: ``lock`` (``"run"``, ``"queue"``, ``"queue_and_run"``),
     ``queue_ttl``. The body reads its lease (fencing token) with
-    :func:`taskguard.celery.current_lease`.
+    :func:`~taskguard.contrib.django_tasks.current_lease`. docs/django-tasks.md.
     """
 
     def decorate(f: Callable[..., Any]) -> Any:
