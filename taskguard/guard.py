@@ -13,6 +13,7 @@ from typing import Any
 
 from sqlalchemy import URL, Engine
 
+from taskguard.aio import AsyncLeases
 from taskguard.companions import without_companions
 from taskguard.deadline import DEFAULT_CALL_TIMEOUT
 from taskguard.exceptions import InvalidKey, LockHeld
@@ -45,7 +46,7 @@ DEFAULT_HISTORY_RETENTION = 7 * 24 * 3600.0
 _DEFAULT_LIMIT = 10_000
 
 
-class TaskGuard:
+class TaskGuard(AsyncLeases):
     """Per-key leases stored in ``task_locks``.
 
     ``url_or_engine`` is a SQLAlchemy URL (taskguard creates and owns a small
@@ -54,7 +55,7 @@ class TaskGuard:
 
     Every lease operation is one short statement (two at most under a concurrency
     limit) judged by the database clock, and is safe to call from several threads;
-    only ``acquire(..., wait=...)`` blocks, and only up to its timeout.
+    only ``acquire(..., wait=...)`` blocks, and only up to its timeout (asyncio: ``aacquire`` etc.).
 
     ``durable=False`` (PostgreSQL, own engine only) trades crash durability of
     recent grants for speed; see docs/reliability.md before using it.

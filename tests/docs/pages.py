@@ -106,6 +106,7 @@ PAGES: dict[str, PageSpec] = {
             "redis://localhost:6379/1": Service("redis", 7),
         },
     ),
+    "docs/django-tasks.md": PageSpec(urls={PAGE_PG: Service("pg+schema")}),
     "docs/mariadb.md": PageSpec(urls={"mysql://app:secret@db:3306/app": Service("maria")}),
     "docs/alembic.md": PageSpec(
         urls={SHOP: Service("pg")},

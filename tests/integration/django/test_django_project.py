@@ -168,7 +168,7 @@ def test_a_project_on_mariadb_with_djangos_mysql_engine(maria_template: str) -> 
         assert schema.current(url) == [schema.head()]
         guard = TaskGuard(url)
         try:
-            lease = guard.acquire("feed:maria", ttl=60, task_name="feeds.import_feed")
+            lease = guard.acquire("feed:maria", ttl=3600, task_name="feeds.import_feed")
             assert lease is not None
             rows = json.loads(site.manage("taskguard", "locks", "--json").stdout)
             assert [(r["key"], r["token"]) for r in rows] == [("feed:maria", lease.token)]

@@ -1,0 +1,18 @@
+"""taskguard for Django's Tasks framework (``django.tasks``, or the ``django-tasks``
+backport): ``@guarded`` locks a task's runs on any backend, :class:`GuardedBackend`
+also refuses (or answers) duplicate enqueues. Users: docs/django-tasks.md."""
+
+from taskguard.celery.renewal import check_lease, current_lease
+from taskguard.celery.results import is_skipped
+from taskguard.contrib.django_tasks.backend import GuardedBackend
+from taskguard.contrib.django_tasks.run import DEFERRED, guarded, project_guard
+
+__all__ = [
+    "DEFERRED",
+    "GuardedBackend",
+    "check_lease",
+    "current_lease",
+    "guarded",
+    "is_skipped",
+    "project_guard",
+]

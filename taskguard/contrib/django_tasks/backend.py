@@ -1,0 +1,123 @@
+""":class:`GuardedBackend`: enqueue-time deduplication around any django.tasks backend.
+
+Set in ``TASKS`` with the real backend's settings as its ``OPTIONS``; the object
+Django gets is the real backend's class with :class:`GuardedBackend` in front, so
+the real backend's worker (e.g. django-tasks-db's ``db_worker``, which insists on
+its own backend class) runs its jobs as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.utils.module_loading import import_string
+
+from taskguard.contrib.django_tasks.framework import BaseTaskBackend, TaskResult
+from taskguard.contrib.django_tasks.run import GuardSpec, guarded, project_guard
+from taskguard.exceptions import AlreadyLocked, ConfigurationError
+
+__all__ = ["GuardedBackend"]
+
+log = logging.getLogger("taskguard.django_tasks")
+
+#: ``@task(...)`` keyword arguments a GuardedBackend's task class accepts (Django 6.1,
+#: the backport): the options of :func:`~taskguard.contrib.django_tasks.guarded`.
+TASK_OPTIONS = (
+    "key", "key_args", "lock", "on_conflict", "ttl", "queue_ttl", "limit",
+    "wait_timeout", "retry_countdown",
+)  # fmt: skip
+
+
+class GuardedBackend(BaseTaskBackend):  # type: ignore[misc,unused-ignore]
+    """``TASKS = {"default": {"BACKEND": "taskguard.contrib.django_tasks.GuardedBackend",
+    "OPTIONS": {"BACKEND": "django_tasks_db.DatabaseBackend", ...}}}``.
+
+    A task guarded with ``lock="queue"`` or ``"queue_and_run"`` takes its key when
+    it is enqueued (for ``queue_ttl``, default its ``ttl``): while that job waits
+    (and, with ``"queue_and_run"``, runs) another enqueue of the same key raises
+    :class:`~taskguard.AlreadyLocked`, or with ``on_conflict="existing"`` returns
+    the queued job's :class:`TaskResult`. The job's run adopts the lease; a lost
+    job's lease expires. Other tasks pass through untouched.
+    """
+
+    #: What a guarded run checks before it relies on a lease taken at enqueue.
+    takes_queue_leases = True
+
+    def __new__(cls, alias: str, params: dict[str, Any]) -> Any:
+        if cls is not GuardedBackend:
+            return super().__new__(cls)
+        inner = params.get("OPTIONS") or {}
+        path = inner.get("BACKEND")
+        if not isinstance(path, str):
+            raise ConfigurationError(
+                f"TASKS[{alias!r}]: GuardedBackend needs the real backend's settings as its "
+                "OPTIONS, e.g. {'BACKEND': 'django_tasks_db.DatabaseBackend'}"
+            )
+        return _in_front_of(import_string(path))(alias=alias, params=inner)
+
+    async def aenqueue(self, task: Any, args: Any, kwargs: Any) -> Any:
+        # Some backends' own aenqueue does not go through enqueue (django-tasks-db's).
+        if _queue_locked(task) is None:
+            return await super().aenqueue(task, args, kwargs)
+        return await sync_to_async(self.enqueue, thread_sensitive=True)(task, args, kwargs)
+
+    def enqueue(self, task: Any, args: Any, kwargs: Any) -> Any:
+        spec = _queue_locked(task)
+        if spec is None:
+            return super().enqueue(task, args, kwargs)  # type: ignore[safe-super,unused-ignore]
+        key = spec.keys.derive(args, kwargs)
+        guard, ttl = project_guard(), spec.queue_ttl or spec.lease_ttl()
+        # Holder without a job id until the job exists: its run adopts such a lease too.
+        lease, holder = guard.try_acquire(key, ttl, limit=spec.limit, task_name=spec.name)
+        if lease is None:
+            job = holder.holder.task_id if holder is not None else None
+            if spec.on_conflict == "existing" and job is not None:
+                log.info("task %s: lock %r held by queued job %s; answering with it",
+                         spec.name, key, job)  # fmt: skip
+                return self.get_result(job)
+            raise AlreadyLocked(
+                key, holder,
+                f"task {spec.name}: not enqueued: a job for lock {key!r} is already queued or "
+                f"running ({holder.describe() if holder else 'holder just released'})",
+            )  # fmt: skip
+        try:
+            result: TaskResult = super().enqueue(task, args, kwargs)  # type: ignore[safe-super,unused-ignore]
+        except BaseException:
+            guard.release(lease)
+            raise
+        # Name the job on its lease (None: its run already adopted it).
+        guard.adopt(key, lease.owner, ttl, slot=lease.slot, exclusive=True,
+                    task_name=spec.name, task_id=result.id)  # fmt: skip
+        return result
+
+
+def _queue_locked(task: Any) -> GuardSpec | None:
+    spec: GuardSpec | None = getattr(task.func, "taskguard", None)
+    return spec if spec is not None and spec.lock != "run" else None
+
+
+@functools.cache
+def _in_front_of(backend_class: type[Any]) -> type[Any]:
+    """``backend_class`` with GuardedBackend in front, and a task class that accepts
+    taskguard's options as ``@task(...)`` keyword arguments."""
+    base_task = backend_class.task_class
+
+    def __post_init__(self: Any) -> None:
+        options = {n: getattr(self, n) for n in TASK_OPTIONS if getattr(self, n) is not None}
+        if options and not hasattr(self.func, "taskguard"):
+            object.__setattr__(self, "func", guarded(self.func, **options))
+        base_task.__post_init__(self)
+
+    namespace = {"__post_init__": __post_init__, "__module__": __name__,
+                 "__annotations__": dict.fromkeys(TASK_OPTIONS, "Any")}  # fmt: skip
+    namespace.update(dict.fromkeys(TASK_OPTIONS))
+    kwargs = {"frozen": True, "kw_only": True, "slots": "__slots__" in vars(base_task)}
+    task_class: type[Any] = dataclasses.dataclass(**kwargs)(
+        type("GuardedTask", (base_task,), namespace)
+    )
+    name = f"Guarded{backend_class.__name__}"
+    return type(name, (GuardedBackend, backend_class), {"task_class": task_class})

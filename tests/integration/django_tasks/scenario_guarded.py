@@ -1,0 +1,71 @@
+"""Run with tinysite's settings: exercises @guarded and GuardedBackend in-process
+(ImmediateBackend) and prints one JSON line of what it saw."""
+
+import asyncio
+import json
+
+import django
+
+django.setup()
+
+from django.core.management import call_command  # noqa: E402
+from django.utils.timezone import now  # noqa: E402
+from tinytasks import tasks  # noqa: E402
+
+from taskguard.contrib.django_tasks import is_skipped, project_guard  # noqa: E402
+
+call_command("migrate", verbosity=0)
+guard = project_guard()
+out: dict[str, object] = {}
+
+# A free key: the body runs with its lease; the lease is released after.
+r = tasks.skipping.enqueue(1)
+out["ran"] = r.status == "SUCCESSFUL" and r.return_value >= 1
+out["released"] = not guard.get("item:1").held
+
+# A held key: skipped (marker naming the holder) / failed with AlreadyLocked.
+held = guard.acquire("item:1", 30, task_name="someone.else")
+r = tasks.skipping.enqueue(1)
+out["skipped"] = is_skipped(r.return_value) and r.return_value["holder"]["owner"] == held.owner
+r = tasks.raising.enqueue(1)
+out["raised"] = r.status == "FAILED" and r.errors[0].exception_class.__name__ == "AlreadyLocked"
+# on_conflict="retry" where the backend can defer: the job ends, a new one waits 30 s.
+r = tasks.retrying.enqueue(1)
+call_command("db_worker", "--batch", "--backend", "queue", "--no-startup-delay", "--no-reload")
+r.refresh()
+again = tasks.retrying.get_result(r.return_value["retry_id"])
+wait = (again.task.run_after - now()).total_seconds() if again.task.run_after else None
+out["deferred"] = r.return_value["__taskguard__"] == "deferred" and again.status == "READY"
+out["deferred_30s"] = wait is not None and 20 < wait <= 30
+guard.release(held)
+
+# takes_context: the context is not part of the key; the holder names the job.
+r = tasks.with_context.enqueue(2)
+out["context_key"] = tasks.SEEN[-1][1] == "ctx:2" and r.return_value == r.id
+out["history_names_job"] = any(e.holder.task_id == r.id for e in guard.events("ctx:2"))
+
+# async def: lock statements off the loop; the lease outlives its 0.6 s ttl by renewal.
+r = tasks.slow_async.enqueue(3)
+out["async_ran"] = r.status == "SUCCESSFUL"
+
+
+async def enqueue_async() -> bool:
+    result = await tasks.slow_async.aenqueue(4)
+    return result.status == "SUCCESSFUL"
+
+
+out["async_aenqueue"] = asyncio.run(enqueue_async())
+
+# @task(key=..., lock=...) keyword arguments (GuardedBackend's task_class). Immediate
+# runs inside enqueue, so the queue lease is adopted and released before it returns.
+r = tasks.by_task_kwargs.enqueue(5)
+out["task_kwargs_ran"] = r.status == "SUCCESSFUL" and tasks.SEEN[-1][1] == "kw:5"
+out["task_kwargs_released"] = not guard.get("kw:5").held
+
+# lock="queue_and_run" on a backend that is not a GuardedBackend: an error, not a run
+# that silently went without its enqueue-time lock.
+r = tasks.queued_without_guarded_backend.enqueue(6)
+out["needs_guarded_backend"] = (
+    r.status == "FAILED" and r.errors[0].exception_class.__name__ == "ConfigurationError"
+)
+print(json.dumps(out))

@@ -1,0 +1,70 @@
+"""TaskGuard's asyncio API: the lease rules of the sync API, and an event loop that
+stays responsive while many coroutines take, renew and release leases."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+
+import pytest
+
+from taskguard import LockHeld, TaskGuard
+
+
+def test_async_acquire_renew_release(guard: TaskGuard) -> None:
+    async def scenario() -> None:
+        lease = await guard.aacquire("a:1", 30)
+        assert lease is not None
+        assert await guard.aacquire("a:1", 30) is None
+        assert await guard.arenew(lease)
+        assert await guard.arelease(lease)
+        assert not await guard.arelease(lease)  # a stale owner touches nothing
+        async with guard.alock("a:2", 30, task_name="t") as held:
+            with pytest.raises(LockHeld) as refused:
+                async with guard.alock("a:2", 30):
+                    pass
+            assert refused.value.holder is not None
+            assert refused.value.holder.owner == held.owner
+        assert guard.get("a:2") is not None and not guard.get("a:2").held  # type: ignore[union-attr]
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.postgres
+def test_event_loop_lag_with_100_coroutines(pg_url: str) -> None:
+    """p99 lag of a 1 ms ticker while 100 coroutines on their own keys take, renew
+    and release leases. Target 5 ms on an idle machine; the bound leaves room for a
+    loaded 2-core one."""
+    guard = TaskGuard(pg_url, pool_size=10, max_overflow=0)
+    lags: list[float] = []
+
+    async def ticker(stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            before = time.perf_counter()
+            await asyncio.sleep(0.001)
+            lags.append(time.perf_counter() - before - 0.001)
+
+    async def worker(n: int) -> None:
+        for _ in range(3):
+            lease = await guard.aacquire(f"lag:{n}", 30)
+            assert lease is not None
+            assert await guard.arenew(lease)
+            assert await guard.arelease(lease)
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        tick = asyncio.create_task(ticker(stop))
+        await asyncio.gather(*(worker(n) for n in range(100)))
+        stop.set()
+        await tick
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        guard.dispose()
+    p99 = statistics.quantiles(lags, n=100)[98] * 1000
+    print(f"event loop lag over {len(lags)} ticks: p50 "
+          f"{statistics.median(lags) * 1000:.2f} ms, p99 {p99:.2f} ms")  # fmt: skip
+    assert len(lags) > 20
+    assert p99 < 50, f"p99 loop lag {p99:.1f} ms"
