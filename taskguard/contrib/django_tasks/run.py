@@ -1,7 +1,7 @@
 """``@guarded``: the run-time lock of a django.tasks task, for any backend.
 
 Placed under ``@task``, it wraps the function every worker backend calls: the key
-comes from the bound arguments (taskguard's :class:`~taskguard.celery.keys.KeyDeriver`),
+comes from the bound arguments (taskguard's :class:`~taskguard.keys.KeyDeriver`),
 the lease is renewed while the body runs (the Celery layer's heartbeat), released
 by its owner at the end, and a conflict is skipped, raised, waited out or deferred
 (``on_conflict``). A run whose job was enqueued through
@@ -24,7 +24,6 @@ from typing import Any
 
 from django.utils import timezone
 
-from taskguard.celery.keys import KeyDeriver, KeyOption
 from taskguard.celery.renewal import ActiveRun, Heartbeat, enter_run, exit_run
 from taskguard.celery.results import MARKER, skipped_result
 from taskguard.config import guard_for, setting
@@ -32,7 +31,7 @@ from taskguard.contrib.django import conf
 from taskguard.contrib.django_tasks.framework import task_finished, task_started
 from taskguard.exceptions import AlreadyLocked, ConfigurationError, TaskGuardError
 from taskguard.guard import TaskGuard
-from taskguard.keys import validate_limit, validate_ttl
+from taskguard.keys import KeyDeriver, KeyOption, validate_limit, validate_ttl
 from taskguard.lease import Lease, LockInfo
 
 __all__ = ["DEFERRED", "LOCK_PHASES", "ON_CONFLICT", "GuardSpec", "guarded", "project_guard"]
