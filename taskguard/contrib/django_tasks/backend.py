@@ -82,7 +82,10 @@ class GuardedBackend(BaseTaskBackend):  # type: ignore[misc,unused-ignore]
             if spec.on_conflict == "existing" and job is not None:
                 log.info("task %s: lock %r held by queued job %s; answering with it",
                          spec.name, key, job)  # fmt: skip
-                return self.get_result(job)
+                answer = self.get_result(job)
+                if answer.task is None:  # a backend that cannot tell a queued job's task
+                    object.__setattr__(answer, "task", task)
+                return answer
             raise AlreadyLocked(
                 key, holder,
                 f"task {spec.name}: not enqueued: a job for lock {key!r} is already queued or "

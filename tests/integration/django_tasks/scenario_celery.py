@@ -89,7 +89,12 @@ def kill(batch):
     os.kill(ImportRun.objects.get(batch=batch).pid, signal.SIGKILL)
     killed_at = time.monotonic()
     # While the dead run's lease lives, an enqueue is answered with its job.
-    answered_while_held = task.enqueue(feed, batch).id == first.id
+    answer = task.enqueue(feed, batch)
+    answered_while_held = answer.id == first.id
+    # The answer is a whole TaskResult: it names its task, so refresh() works.
+    answer_has_task = answer.task is not None and answer.task.func is task.func
+    if answer_has_task:
+        answer.refresh()
     second = first
     while second.id == first.id:
         time.sleep(0.1)
@@ -104,6 +109,7 @@ def kill(batch):
     return {
         "first_status": task.get_backend().get_result(first.id).status,
         "answered_while_held": answered_while_held,
+        "answer_has_task": answer_has_task,
         "accepted_after_s": round(accepted_after, 2),
         "second_started_after_first_s": round(started_after, 2),
         "second_status": done.status,
