@@ -17,6 +17,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
+import redis
 from conftest import drop_pg_database, new_pg_database
 from sqlalchemy.engine import make_url
 
@@ -51,6 +52,10 @@ def site_env(pg_template: str, tmp_path: Path) -> Iterator[dict[str, str]]:
     })  # fmt: skip
     yield env
     drop_pg_database(url)
+    broker = redis.Redis.from_url(env["CELERYSITE_BROKER"])  # the queue's keys (results expire)
+    for name in broker.scan_iter(match=f"*{env['CELERYSITE_QUEUE']}*"):
+        broker.delete(name)
+    broker.close()
 
 
 def _scenario(env: dict[str, str], what: str) -> object:
