@@ -57,7 +57,11 @@ class GuardedBackend(BaseTaskBackend):  # type: ignore[misc,unused-ignore]
                 f"TASKS[{alias!r}]: GuardedBackend needs the real backend's settings as its "
                 "OPTIONS, e.g. {'BACKEND': 'django_tasks_db.DatabaseBackend'}"
             )
-        return _in_front_of(import_string(path))(alias=alias, params=inner)
+        return super().__new__(_in_front_of(import_string(path)))
+
+    def __init__(self, alias: str, params: dict[str, Any]) -> None:
+        # Django passes GuardedBackend's settings; the real backend gets its own.
+        super().__init__(alias=alias, params=params.get("OPTIONS") or {})
 
     async def aenqueue(self, task: Any, args: Any, kwargs: Any) -> Any:
         # Some backends' own aenqueue does not go through enqueue (django-tasks-db's).
@@ -78,7 +82,10 @@ class GuardedBackend(BaseTaskBackend):  # type: ignore[misc,unused-ignore]
             if spec.on_conflict == "existing" and job is not None:
                 log.info("task %s: lock %r held by queued job %s; answering with it",
                          spec.name, key, job)  # fmt: skip
-                return self.get_result(job)
+                answer = self.get_result(job)
+                if answer.task is None:  # a backend that cannot tell a queued job's task
+                    object.__setattr__(answer, "task", task)
+                return answer
             raise AlreadyLocked(
                 key, holder,
                 f"task {spec.name}: not enqueued: a job for lock {key!r} is already queued or "

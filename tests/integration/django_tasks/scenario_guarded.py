@@ -13,10 +13,12 @@ from django.utils.timezone import now  # noqa: E402
 from tinytasks import tasks  # noqa: E402
 
 from taskguard.contrib.django_tasks import is_skipped, project_guard  # noqa: E402
+from taskguard.contrib.django_tasks.framework import task_backends  # noqa: E402
 
 call_command("migrate", verbosity=0)
 guard = project_guard()
 out: dict[str, object] = {}
+out["inner_options"] = task_backends["default"].options == {"seen_by": "the real backend"}
 
 # A free key: the body runs with its lease; the lease is released after.
 r = tasks.skipping.enqueue(1)

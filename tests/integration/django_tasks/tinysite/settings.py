@@ -19,7 +19,8 @@ _IMMEDIATE = (
 TASKS = {
     "default": {
         "BACKEND": "taskguard.contrib.django_tasks.GuardedBackend",
-        "OPTIONS": {"BACKEND": _IMMEDIATE},
+        # The real backend's own OPTIONS reach it (not GuardedBackend's).
+        "OPTIONS": {"BACKEND": _IMMEDIATE, "OPTIONS": {"seen_by": "the real backend"}},
     },
     # No GuardedBackend: lock="queue" tasks must fail here, not run unlocked.
     "plain": {"BACKEND": _IMMEDIATE},
