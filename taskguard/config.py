@@ -134,7 +134,7 @@ def unknown_settings(app: Any) -> list[str]:
         return []
     lines = []
     for name in sorted(k for k in conf if isinstance(k, str) and k not in DEFAULTS):
-        if name.lower().startswith("taskguard_"):
+        if name.startswith("taskguard_"):  # upper case: Django's settings, checked by Django
             close = difflib.get_close_matches(name.lower(), list(DEFAULTS), n=1)
             hint = f"did you mean {close[0]}?" if close else "see taskguard.config.DEFAULTS"
             lines.append(f"unknown setting {name}: {hint}")

@@ -62,3 +62,15 @@ def test_a_misspelled_setting_is_named_with_the_right_one() -> None:
     assert "unknown setting taskguard_databse_url: did you mean taskguard_database_url?" in str(
         exc.value
     )
+
+
+def test_djangos_own_settings_in_a_celery_conf_are_not_misspellings() -> None:
+    """A Celery app configured from Django's settings (``namespace="CELERY"``) also sees
+    Django's ``TASKGUARD_*`` settings, which Django's checks validate: the start-up check
+    warned ``unknown setting TASKGUARD_HISTORY`` on every such worker."""
+    from taskguard.config import unknown_settings
+
+    app = _app(TASKGUARD_HISTORY=True, TASKGUARD_DATABASE_ALIAS="locks", taskguard_histroy=True)
+    assert unknown_settings(app) == [
+        "unknown setting taskguard_histroy: did you mean taskguard_history?"
+    ]

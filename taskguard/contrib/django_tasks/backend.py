@@ -27,9 +27,16 @@ log = logging.getLogger("taskguard.django_tasks")
 #: ``@task(...)`` keyword arguments a GuardedBackend's task class accepts (Django 6.1,
 #: the backport): the options of :func:`~taskguard.contrib.django_tasks.guarded`.
 TASK_OPTIONS = (
-    "key", "key_args", "lock", "on_conflict", "ttl", "queue_ttl", "limit",
-    "wait_timeout", "retry_countdown",
-)  # fmt: skip
+    "key",
+    "key_args",
+    "lock",
+    "on_conflict",
+    "ttl",
+    "queue_ttl",
+    "limit",
+    "wait_timeout",
+    "retry_countdown",
+)
 
 
 class GuardedBackend(BaseTaskBackend):  # type: ignore[misc,unused-ignore]
@@ -80,25 +87,34 @@ class GuardedBackend(BaseTaskBackend):  # type: ignore[misc,unused-ignore]
         if lease is None:
             job = holder.holder.task_id if holder is not None else None
             if spec.on_conflict == "existing" and job is not None:
-                log.info("task %s: lock %r held by queued job %s; answering with it",
-                         spec.name, key, job)  # fmt: skip
+                log.info(
+                    "task %s: lock %r held by queued job %s; answering with it", spec.name, key, job
+                )
                 answer = self.get_result(job)
                 if answer.task is None:  # a backend that cannot tell a queued job's task
                     object.__setattr__(answer, "task", task)
                 return answer
             raise AlreadyLocked(
-                key, holder,
+                key,
+                holder,
                 f"task {spec.name}: not enqueued: a job for lock {key!r} is already queued or "
                 f"running ({holder.describe() if holder else 'holder just released'})",
-            )  # fmt: skip
+            )
         try:
             result: TaskResult = super().enqueue(task, args, kwargs)  # type: ignore[safe-super,unused-ignore]
         except BaseException:
             guard.release(lease)
             raise
         # Name the job on its lease (None: its run already adopted it).
-        guard.adopt(key, lease.owner, ttl, slot=lease.slot, exclusive=True,
-                    task_name=spec.name, task_id=result.id)  # fmt: skip
+        guard.adopt(
+            key,
+            lease.owner,
+            ttl,
+            slot=lease.slot,
+            exclusive=True,
+            task_name=spec.name,
+            task_id=result.id,
+        )
         return result
 
 
@@ -119,8 +135,11 @@ def _in_front_of(backend_class: type[Any]) -> type[Any]:
             object.__setattr__(self, "func", guarded(self.func, **options))
         base_task.__post_init__(self)
 
-    namespace = {"__post_init__": __post_init__, "__module__": __name__,
-                 "__annotations__": dict.fromkeys(TASK_OPTIONS, "Any")}  # fmt: skip
+    namespace = {
+        "__post_init__": __post_init__,
+        "__module__": __name__,
+        "__annotations__": dict.fromkeys(TASK_OPTIONS, "Any"),
+    }
     namespace.update(dict.fromkeys(TASK_OPTIONS))
     kwargs = {"frozen": True, "kw_only": True, "slots": "__slots__" in vars(base_task)}
     task_class: type[Any] = dataclasses.dataclass(**kwargs)(

@@ -196,15 +196,25 @@ class _Run:
     def _adopt(self, ttl: float) -> Lease | None:
         # The lease GuardedBackend took for this job at enqueue (its holder names the job).
         rows = self.guard.get_all(self.key)
-        mine = [r for r in rows if r.held and r.holder.task_name == self.spec.name
-                and r.holder.task_id in (None, self.task_id)]  # fmt: skip
+        mine = [
+            r
+            for r in rows
+            if r.held
+            and r.holder.task_name == self.spec.name
+            and r.holder.task_id in (None, self.task_id)
+        ]
         if self.task_id is None or not mine:
             return None
         row = mine[0]
         return self.guard.adopt(
-            self.key, row.owner, ttl, slot=row.slot, exclusive=True,
-            task_name=self.spec.name, task_id=self.task_id,
-        )  # fmt: skip
+            self.key,
+            row.owner,
+            ttl,
+            slot=row.slot,
+            exclusive=True,
+            task_name=self.spec.name,
+            task_id=self.task_id,
+        )
 
     def _conflict(self, holder: LockInfo | None) -> Any:
         spec = self.spec
@@ -218,12 +228,27 @@ class _Run:
                 countdown = spec.retry_countdown or max(left, 0.1)
                 at = timezone.now() + timedelta(seconds=countdown)
                 again = task.using(run_after=at).enqueue(*self.result.args, **self.result.kwargs)
-                log.info("task %s (%s): lock %r held by %s; deferred %.1fs as %s",
-                         spec.name, self.task_id, self.key, who, countdown, again.id)  # fmt: skip
-                return {MARKER: DEFERRED, "task": spec.name, "task_id": self.task_id,
-                        "key": self.key, "retry_id": again.id}  # fmt: skip
-            log.warning("task %s: on_conflict='retry' but backend %r cannot defer a job; skipped",
-                        spec.name, task.backend)  # fmt: skip
+                log.info(
+                    "task %s (%s): lock %r held by %s; deferred %.1fs as %s",
+                    spec.name,
+                    self.task_id,
+                    self.key,
+                    who,
+                    countdown,
+                    again.id,
+                )
+                return {
+                    MARKER: DEFERRED,
+                    "task": spec.name,
+                    "task_id": self.task_id,
+                    "key": self.key,
+                    "retry_id": again.id,
+                }
+            log.warning(
+                "task %s: on_conflict='retry' but backend %r cannot defer a job; skipped",
+                spec.name,
+                task.backend,
+            )
         log.warning(
             "task %s (%s) skipped: lock %r is held by %s", spec.name, self.task_id, self.key, who
         )
@@ -237,8 +262,11 @@ class _Run:
         assert self._beat is not None
         self._beat.stop()
         if not self.guard.release(self.active.lease):
-            log.warning("task %s: lease on %r had expired or been taken over at release",
-                        self.spec.name, self.key)  # fmt: skip
+            log.warning(
+                "task %s: lease on %r had expired or been taken over at release",
+                self.spec.name,
+                self.key,
+            )
 
 
 def guarded(func: Callable[..., Any] | None = None, **options: Any) -> Any:
