@@ -33,7 +33,6 @@ from celery.exceptions import TimeLimitExceeded, WorkerLostError
 from celery.platforms import signals as platform_signals
 from celery.signals import worker_init
 from celery.utils.functional import maybe_list
-from celery.worker import state as worker_state
 from celery.worker.control import Panel
 from celery.worker.request import Request
 from kombu.asynchronous import get_event_loop
@@ -140,11 +139,13 @@ def give_back_at_revoke(**_: Any) -> None:
     def revoke_and_give_back(state: Any, task_id: Any, *args: Any, **kwargs: Any) -> Any:
         reply = revoke(state, task_id, *args, **kwargs)
         ids = set(maybe_list(task_id) or ())
-        # Not worker_state.requests: a deferred copy shares its task id with the run
-        # that published it, whose end drops the id from there.
-        for request in list(worker_state.scheduled_requests):
-            if isinstance(request, GuardedRequest) and request.id in ids:
-                release_unstarted(request.task, request, Header.of(request.request_dict))
+        # The consumer's timer holds the messages waiting out a countdown, on every
+        # Celery version (not the worker state's requests: a deferred copy shares its task id
+        # with the run that published it, whose end drops the id from there).
+        for event in state.consumer.timer.queue:
+            for request in event.entry.args:
+                if isinstance(request, GuardedRequest) and request.id in ids:
+                    release_unstarted(request.task, request, Header.of(request.request_dict))
         return reply
 
     revoke_and_give_back.taskguard = True  # type: ignore[attr-defined]
