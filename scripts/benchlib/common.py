@@ -274,7 +274,8 @@ def start_worker(
     cmd += ["-P", "prefork", "-c", str(concurrency), "-l", "WARNING", "-n", f"{name}@%h"]
     cmd += ["--without-gossip", "--without-mingle", "--without-heartbeat"]
     cmd += ["-Q", queue] if queue else []
-    path = os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")])
+    # The repo root too: benchlib imports tests.harness (private servers).
+    path = os.pathsep.join([str(SCRIPTS), str(SCRIPTS.parent), os.environ.get("PYTHONPATH", "")])
     return subprocess.Popen(
         cmd,
         cwd=SCRIPTS,
