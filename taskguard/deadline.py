@@ -110,7 +110,8 @@ def call_limit(seconds: float) -> Iterator[float]:
 
 
 class Watch:
-    """One statement being watched; ``fired`` once its socket was shut down."""
+    """One socket being watched: shut down once ``deadline`` passes (``math.inf``:
+    not armed); ``fired`` once it was."""
 
     __slots__ = ("deadline", "fd", "fired")
 
@@ -123,25 +124,26 @@ class Watch:
 class _Watchdog:
     """One daemon thread per process, sleeping until the earliest deadline.
 
-    Statements in flight are few (one per thread at most), so they are kept in a
-    dict and the thread scans it when it wakes: a statement costs one insert and
-    one delete under a lock, and wakes the thread only when its deadline is
-    earlier than the one the thread sleeps towards (rare: limits are seconds,
-    statements milliseconds). A heap with lazy deletion, as before, kept every
-    finished statement until the earliest deadline passed: tens of thousands of
-    dead entries at a few thousand statements a second.
+    Watches are few (a connection's, kept while a thread pins it, armed per
+    statement; or one per statement on a borrowed connection), so they are kept in
+    a dict and the thread scans it when it wakes. Arming a kept watch writes its
+    deadline and wakes the thread only when that deadline is earlier than the one
+    the thread sleeps towards (rare: limits are seconds, statements milliseconds):
+    two attribute writes per statement, no lock. While it scans, the thread counts
+    as sleeping towards -inf, so an arm it might have missed wakes it again.
     """
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
-        # The callers' side takes the plain lock (no Python-level Condition.__enter__ on
-        # every statement); the condition over it wakes the thread.
+        # The callers' side takes the plain lock (no Python-level Condition.__enter__);
+        # the condition over it wakes the thread.
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._active: dict[int, Watch] = {}
-        self._wake_at = math.inf
+        #: When the sleeping thread looks again (math.inf: no thread).
+        self.wake_at = math.inf
         self._thread: threading.Thread | None = None
 
     def start(self, fd: int | None, limit: float | None = None) -> Watch | None:
@@ -151,8 +153,15 @@ class _Watchdog:
         if fd is None or fd < 0:
             return None
         seconds = DEFAULT_STATEMENT_LIMIT if limit is None else limit
-        deadline = min(time.monotonic() + seconds, _DEADLINE.get() or math.inf)
-        w = Watch(deadline, fd)
+        return self._add(Watch(min(time.monotonic() + seconds, _DEADLINE.get() or math.inf), fd))
+
+    def keep(self, fd: int | None) -> Watch | None:
+        """A watch for a connection's socket, unarmed: :meth:`arm` it per statement
+        (and set its ``deadline`` back to ``math.inf`` after); :meth:`stop` it before
+        the connection closes."""
+        return None if fd is None or fd < 0 else self._add(Watch(math.inf, fd))
+
+    def _add(self, w: Watch) -> Watch:
         with self._lock:
             self._active[id(w)] = w
             if self._thread is None:
@@ -160,12 +169,25 @@ class _Watchdog:
                     target=self._loop, name="taskguard-watchdog", daemon=True
                 )
                 self._thread.start()
-            elif deadline < self._wake_at:
+            elif w.deadline < self.wake_at:
                 self._cond.notify()
         return w
 
+    def arm(self, w: Watch, deadline: float) -> None:
+        """Shut ``w``'s socket down at ``deadline`` unless disarmed first (inlined on
+        the storage layer's hot path: keep the two in step)."""
+        w.deadline = deadline
+        if deadline < self.wake_at:
+            self.poke()
+
+    def poke(self) -> None:
+        """Make the thread look at the deadlines again now."""
+        with self._lock:
+            self._cond.notify()
+
     def stop(self, w: Watch | None) -> None:
-        """The statement ended (any outcome): never shut its socket down after this."""
+        """The statement (or the kept connection) ended: never shut its socket down
+        after this."""
         if w is not None:
             # Under the lock: the thread never shuts a socket down after we left, when
             # the fd may already belong to another connection.
@@ -185,6 +207,7 @@ class _Watchdog:
         with self._cond:
             idle_since: float | None = None
             while True:
+                self.wake_at = -math.inf  # an arm during the scan wakes us again
                 now = time.monotonic()
                 earliest = math.inf
                 for key, w in list(self._active.items()):
@@ -200,10 +223,10 @@ class _Watchdog:
                     idle_since = now
                 elif now - idle_since >= _IDLE_EXIT:
                     self._thread = None
-                    self._wake_at = math.inf
+                    self.wake_at = math.inf
                     return
-                self._wake_at = earliest
-                self._cond.wait(min(earliest - now, _IDLE_EXIT))
+                self.wake_at = min(earliest, now + _IDLE_EXIT)
+                self._cond.wait(self.wake_at - now)
 
 
 def _shut_down(fd: int) -> None:

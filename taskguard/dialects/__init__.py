@@ -11,6 +11,7 @@ dialect class and settings). Nothing outside this package branches on backend na
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 from sqlalchemy import URL
@@ -73,5 +74,10 @@ def registered() -> Sequence[Dialect]:
 
 
 def lock_sql_for(sa_dialect: SADialect) -> LockSQL:
-    """Every statement compiled for an engine's SQLAlchemy dialect."""
+    """Every statement compiled for an engine's SQLAlchemy dialect, with positional
+    parameters (``%s`` where the driver names them: psycopg then takes the tuple as
+    it is, instead of reordering a dict on every call)."""
+    if not sa_dialect.positional:
+        sa_dialect = copy.copy(sa_dialect)
+        sa_dialect.paramstyle, sa_dialect.positional = "format", True
     return build_lock_sql(dialect_for(sa_dialect.name), sa_dialect)

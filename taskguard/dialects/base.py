@@ -27,14 +27,15 @@ import contextlib
 import enum
 import importlib.util
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
+from operator import itemgetter
 from typing import Any, ClassVar, Protocol
 
 from sqlalchemy import URL, ClauseElement, ColumnElement, Connection, Engine, Executable, Table
 from sqlalchemy.engine import Dialect as SADialect
 from sqlalchemy.sql.compiler import SQLCompiler
-from sqlalchemy.sql.elements import BindParameter
+from sqlalchemy.sql.elements import BindParameter, TextClause
 from sqlalchemy.sql.selectable import SelectBase
 
 from taskguard.deadline import watchdog
@@ -76,21 +77,32 @@ class Statement:
     #: Dialects without ``UPDATE … RETURNING`` (MariaDB): a read run right after, on
     #: the same connection, when this statement matched rows; its rows are the result.
     then: Statement | None = None
-    #: True when it is known at compile time to yield rows (a Core SELECT, or
-    #: RETURNING): the storage layer then skips ``cursor.description``, which builds
-    #: column objects on every acquire. None: unknown (text), ask the cursor.
+    #: Whether it is known at compile time to yield rows (a Core SELECT, or
+    #: RETURNING) or none (other Core DML, a release): the storage layer then skips
+    #: ``cursor.description``, which builds column objects. None: unknown (text).
     returns_rows: bool | None = None
     #: Sent instead on a connection that does not keep prepared statements (behind a
     #: pooler, each execution is parsed and planned again): a shorter statement whose
     #: rows the dialect also understands.
     unprepared: Statement | None = None
 
+    #: The parameters in order, from a mapping (C-level: every lock call runs it).
+    pick: Callable[[Mapping[str, Any]], Any] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        names = self.positional_names
+        if names:
+            pick = itemgetter(*names) if len(names) > 1 else lambda v: (v[names[0]],)
+            object.__setattr__(self, "pick", pick)
+
     def params(self, values: Mapping[str, Any]) -> Mapping[str, Any] | tuple[Any, ...]:
         if self.defaults:
             values = {**dict(self.defaults), **values}
         if self.positional_names is None:
             return values
-        return tuple(values[name] for name in self.positional_names)
+        return self.pick(values) if self.pick is not None else ()
 
 
 def compile_for(stmt: ClauseElement | Executable, dialect: SADialect) -> Statement:
@@ -103,7 +115,9 @@ def compile_for(stmt: ClauseElement | Executable, dialect: SADialect) -> Stateme
         names = tuple(compiled.positiontup or ())
     defaults = tuple((k, v) for k, v in compiled.params.items() if v is not None)
     known = bool(compiled.effective_returning) or isinstance(stmt, SelectBase)
-    return Statement(compiled.string, names, defaults, returns_rows=known or None)
+    # Core DML without RETURNING yields no rows; a text statement may (ask the cursor).
+    returns = True if known else (None if isinstance(stmt, TextClause) else False)
+    return Statement(compiled.string, names, defaults, returns_rows=returns)
 
 
 @dataclass(frozen=True, slots=True)

@@ -268,7 +268,9 @@ def build_lock_sql(d: Dialect, sa_dialect: SADialect) -> LockSQL:
         acquire_unless=acquire_unless,
         acquire_lean=acquire_lean,
         acquire_unless_lean=acquire_unless_lean,
-        release_marking=c(text(_with_fields(d, fl, d.release_marking_sql)))
+        release_marking=dataclasses.replace(
+            c(text(_with_fields(d, fl, d.release_marking_sql))), returns_rows=False
+        )
         if d.release_marking_sql
         else None,
     )

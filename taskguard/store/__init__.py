@@ -10,15 +10,17 @@ records lock history. Driver errors become taskguard's exceptions in one place,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
 from datetime import datetime
+from operator import attrgetter
 from typing import Any, Literal
 
 from sqlalchemy import URL, Engine
 
-from taskguard.deadline import DEFAULT_CALL_TIMEOUT, bounded
+from taskguard.deadline import DEFAULT_CALL_TIMEOUT, bounded, call_limit
 from taskguard.dialects import Dialect, Statement, lock_sql_for
 from taskguard.exceptions import DatabaseUnavailable, OutcomeUnknown
 from taskguard.keys import new_owner
@@ -47,6 +49,11 @@ RenewOutcome = Literal["renewed", "lost", "gone"]
 #: Keys remembered as contended (a lean acquire of theirs was refused), whose
 #: attempts send the full acquire at once; all are forgotten beyond this many.
 CONTENDED_KEYS = 1024
+#: The parameters of a grant, in :meth:`Store.grant_values`' order.
+_GRANT = ("unless", "key", "slot", "n", "owner", "ttl", "task_name", "task_id", "hostname", "pid")
+#: The marker's parameters of :attr:`LockSQL.release_marking`.
+_MARK = ("mark_key", "mark_owner", "mark_ttl", "task_name", "task_id", "hostname", "pid")
+_holder_values = attrgetter("task_name", "task_id", "hostname", "pid")
 
 
 class Store:
@@ -81,10 +88,10 @@ class Store:
         self.waiters = Waiters(self._db, self._sql, listen_url)
         #: Keys a lean acquire was refused on (see :meth:`_grant`).
         self._contended: set[str] = set()
-
-    def run(self, stmt: Statement, values: Mapping[str, Any]) -> tuple[list[tuple[Any, ...]], int]:
-        """Execute one statement in its own transaction: (rows, affected count)."""
-        return self._db.run(stmt, values)
+        #: The lean acquire, without and with ``unless`` (None: the dialect has none).
+        self._lean = (self._sql.acquire_lean, self._sql.acquire_unless_lean)
+        #: Executes one statement in its own transaction: (rows, affected count).
+        self.run = self._db.run
 
     def dispose(self) -> None:
         self._db.dispose()
@@ -104,18 +111,10 @@ class Store:
     ) -> dict[str, Any]:
         """The parameters of one grant attempt (kept across retries of it); refused
         while the key ``unless`` is held."""
-        return {
-            "unless": unless,
-            "key": key,
-            "slot": slot,
-            "n": n,
-            "owner": owner,
-            "ttl": self._secs(seconds),
-            "task_name": holder.task_name,
-            "task_id": holder.task_id,
-            "hostname": holder.hostname,
-            "pid": holder.pid,
-        }
+        h, ttl = holder, self._secs(seconds)
+        return dict(
+            zip(_GRANT, (unless, key, slot, n, owner, ttl, *_holder_values(h)), strict=True)
+        )
 
     @bounded
     def grant(
@@ -127,68 +126,117 @@ class Store:
         committed: the outcome is read back by owner (unique to this attempt), never
         assumed; if even that fails, :class:`~taskguard.OutcomeUnknown`.
         """
-        return self._grant(values, limit, seconds, hold)[0]
+        return self._grant(values, limit, seconds, hold, time.monotonic())[0]
 
-    @bounded
     def grant_seeing(
         self, values: dict[str, Any], seconds: float, hold: float = 0.0
     ) -> tuple[Lease | None, LockInfo | None]:
         """:meth:`grant` of one slot and, when refused, the live holder of the key (of
         ``unless`` if the key is free) where the attempt read it anyway: by the acquire
-        statement itself, or by the check of ``unless``; else ``None`` (read it)."""
-        return self._grant(values, 1, seconds, hold)
+        statement itself, or by the check of ``unless``; else ``None`` (read it).
+
+        The common case first, inline: the lean acquire (no waiter, no refusal), which
+        grants nothing wherever the full one might decide otherwise; then the full one
+        decides (and reads the holder), and the key's next attempts go to it at once."""
+        sent = time.monotonic()  # the lease's local clock starts here (Lease.confirmed_at)
+        deadline = sent + self.call_timeout
+        lean = self._lean[values["unless"] is not None]
+        if lean is not None and values["key"] not in self._contended:
+            try:
+                rows = self.run(lean, values, deadline)[0]
+            except (OutcomeUnknown, DatabaseUnavailable) as exc:
+                with call_limit(deadline - time.monotonic()):
+                    return self._failed_grant(
+                        exc, self._full(values, 1), values, 1, seconds, hold, sent
+                    )
+            if rows:
+                token, at, until = rows[0]
+                key, owner, conv = values["key"], values["owner"], self._conv
+                return Lease(
+                    key,
+                    owner,
+                    int(token),
+                    conv(at),
+                    conv(until),
+                    seconds,
+                    values["slot"],
+                    hold,
+                    sent,
+                ), None
+            if len(self._contended) >= CONTENDED_KEYS:
+                self._contended.clear()  # forgotten: the lean one goes first again
+            self._contended.add(values["key"])
+        with call_limit(deadline - time.monotonic()):
+            return self._grant(values, 1, seconds, hold, sent)
+
+    def _full(self, values: dict[str, Any], limit: int) -> Statement:
+        sql = self._sql
+        if limit > 1:
+            return sql.acquire_slots
+        return (
+            sql.acquire_unless
+            if values.get("unless") is not None and sql.acquire_unless is not None
+            else sql.acquire
+        )
 
     def _grant(
-        self, values: dict[str, Any], limit: int, seconds: float, hold: float
+        self, values: dict[str, Any], limit: int, seconds: float, hold: float, sent: float
     ) -> tuple[Lease | None, LockInfo | None]:
-        key = values["key"]
-        sent = time.monotonic()  # the lease's local clock starts here (Lease.confirmed_at)
-        sql = self._sql
-        stmt, lean = (sql.acquire, sql.acquire_lean) if limit == 1 else (sql.acquire_slots, None)
-        unless = values.get("unless")
-        if unless is not None:
-            if limit == 1 and sql.acquire_unless is not None:
-                stmt, lean = sql.acquire_unless, sql.acquire_unless_lean
-            elif (marker := self.live_holder(unless)) is not None:
-                return None, (self.live_holder(key) or marker) if limit == 1 else None
-        if key in self._contended:
-            lean = None
+        """The full acquire (the lean one was tried, or does not apply)."""
+        key, unless = values["key"], values.get("unless")
+        unread = limit > 1 or self._sql.acquire_unless is None  # unless= not in the statement
+        if unless is not None and unread and (marker := self.live_holder(unless)) is not None:
+            return None, (self.live_holder(key) or marker) if limit == 1 else None
+        stmt = self._full(values, limit)
         try:
-            # The lean acquire grants in the common case (no waiter, no refusal); when
-            # it grants nothing the full one decides (and reads the holder), and the
-            # key's next attempts go to the full one at once.
-            rows = self.run(lean, values)[0] if lean is not None else []
-            if rows:  # the lean acquire granted (the common case): the plain shape
-                token, acquired_at, expires_at = rows[0]
-                at, until = self._conv(acquired_at), self._conv(expires_at)
-                owner, slot = values["owner"], values["slot"]
-                return Lease(key, owner, int(token), at, until, seconds, slot, hold, sent), None
-            if not rows:
-                if lean is not None:
-                    if len(self._contended) >= CONTENDED_KEYS:
-                        self._contended.clear()  # forgotten: the lean one goes first again
-                    self._contended.add(key)
-                rows, _ = self.run(stmt, values)
+            rows, _ = self.run(stmt, values)
         except (OutcomeUnknown, DatabaseUnavailable) as exc:
-            if isinstance(exc, OutcomeUnknown) or not exc.statement_sent:
-                raise  # nothing reached the server: certainly not granted
-            recovered = self._recover(values, None if limit > 1 else values["slot"], exc)
-            if recovered is not None:
-                recovered.ttl, recovered.min_hold = seconds, hold
-                recovered.confirmed_at = sent
-                return recovered, None
-            try:
-                rows, _ = self.run(stmt, values)
-            except DatabaseUnavailable as again:
-                if not again.statement_sent:
-                    raise
-                raise OutcomeUnknown(
-                    f"connection to {self.url} broke again while retrying the acquire of "
-                    f"{key!r}; owner {values['owner']} may hold it until its ttl ends",
-                    key,
-                    values["owner"],
-                    self.url,
-                ) from again
+            return self._failed_grant(exc, stmt, values, limit, seconds, hold, sent)
+        return self._granted(rows, stmt, values, limit, seconds, hold, sent)
+
+    def _failed_grant(
+        self,
+        exc: OutcomeUnknown | DatabaseUnavailable,
+        stmt: Statement,
+        values: dict[str, Any],
+        limit: int,
+        seconds: float,
+        hold: float,
+        sent: float,
+    ) -> tuple[Lease | None, LockInfo | None]:
+        """After a broken connection: the grant read back, else the full acquire again."""
+        if isinstance(exc, OutcomeUnknown) or not exc.statement_sent:
+            raise exc  # nothing reached the server: certainly not granted
+        recovered = self._recover(values, None if limit > 1 else values["slot"], exc)
+        if recovered is not None:
+            recovered.ttl, recovered.min_hold = seconds, hold
+            recovered.confirmed_at = sent
+            return recovered, None
+        try:
+            rows, _ = self.run(stmt, values)
+        except DatabaseUnavailable as again:
+            if not again.statement_sent:
+                raise
+            raise OutcomeUnknown(
+                f"connection to {self.url} broke again while retrying the acquire of "
+                f"{values['key']!r}; owner {values['owner']} may hold it until its ttl ends",
+                values["key"],
+                values["owner"],
+                self.url,
+            ) from again
+        return self._granted(rows, stmt, values, limit, seconds, hold, sent)
+
+    def _granted(
+        self,
+        rows: list[tuple[Any, ...]],
+        stmt: Statement,
+        values: dict[str, Any],
+        limit: int,
+        seconds: float,
+        hold: float,
+        sent: float,
+    ) -> tuple[Lease | None, LockInfo | None]:
+        """The full acquire's rows: the lease, or the holder it read."""
         seen = self.dialect.holders(rows) if limit == 1 else []
         rows = self.dialect.granted(rows, values["owner"], limit > 1)
         if limit > 1:
@@ -204,10 +252,10 @@ class Store:
             token, acquired_at, expires_at = rows[0]
         else:
             read = infos.decode(seen, self._conv)
-            return None, infos.live(read, key) or infos.live(read, unless)
+            return None, infos.live(read, values["key"]) or infos.live(read, values.get("unless"))
         conv = self._conv
         return Lease(
-            key,
+            values["key"],
             values["owner"],
             int(token),
             conv(acquired_at),
@@ -261,54 +309,56 @@ class Store:
         log.warning("acquire of %r did not take effect before the connection broke; retrying", key)
         return None
 
-    @bounded
     def release(self, lease: Lease, marker: Marker | None = None) -> tuple[bool, bool]:
         """End ``lease`` if its owner still holds it: ``(ended, by_statement)``;
         ``by_statement`` is False when the outcome came from a read-back. ``marker``
         is taken whether or not the lease was still ours: in the same statement
         where the dialect can, else by a second one."""
+        deadline = time.monotonic() + self.call_timeout
         values: dict[str, Any] = {"key": lease.key, "slot": lease.slot, "owner": lease.owner}
         stmt = self._sql.release
         if lease.min_hold:
-            stmt = self._sql.release_hold
-            values["hold"] = self._secs(lease.min_hold)
+            stmt, values["hold"] = self._sql.release_hold, self._secs(lease.min_hold)
         elif marker is not None and self._sql.release_marking is not None:
-            stmt = self._sql.release_marking
-            values.update(self._marker_values(marker))
+            stmt, mark_ttl, h = self._sql.release_marking, self._secs(marker.ttl), marker.holder
+            values.update(
+                zip(_MARK, (marker.key, new_owner(), mark_ttl, *_holder_values(h)), strict=True)
+            )
         if marker is not None and stmt is not self._sql.release_marking:
             # Before the release: the key is never free while the record is missing.
-            self._take_marker(marker)
+            self._take_marker(marker, deadline)
         try:
-            _, count = self.run(stmt, values)
+            return self.run(stmt, values, deadline)[1] == 1, True
         except DatabaseUnavailable as exc:
             if not exc.statement_sent:
                 raise
-            if stmt is self._sql.release_marking and marker is not None:
-                self._take_marker(marker)  # committed or not: taking it again is harmless
-            info = self._reread_or_unknown(lease, "releasing", exc)
-            if info is None or info.owner != lease.owner:
-                return False, False
-            if not info.held:
-                # Still our row but ended before its expiry: our release committed and
-                # only the reply was lost. Ended at or after it: it had expired.
-                return info.expires_at < lease.expires_at, False
-            _, count = self.run(stmt, values)
-        return count == 1, True
+            with call_limit(deadline - time.monotonic()):
+                return self._failed_release(exc, lease, marker, stmt, values)
 
-    def _marker_values(self, marker: Marker) -> dict[str, Any]:
-        return {
-            "mark_key": marker.key,
-            "mark_owner": new_owner(),
-            "mark_ttl": self._secs(marker.ttl),
-            "task_name": marker.holder.task_name,
-            "task_id": marker.holder.task_id,
-            "hostname": marker.holder.hostname,
-            "pid": marker.holder.pid,
-        }
+    def _failed_release(
+        self,
+        exc: DatabaseUnavailable,
+        lease: Lease,
+        marker: Marker | None,
+        stmt: Statement,
+        values: dict[str, Any],
+    ) -> tuple[bool, bool]:
+        """After a broken connection: the outcome read back, else the release again."""
+        if stmt is self._sql.release_marking and marker is not None:
+            self._take_marker(marker)  # committed or not: taking it again is harmless
+        info = self._reread_or_unknown(lease, "releasing", exc)
+        if info is None or info.owner != lease.owner:
+            return False, False
+        if not info.held:
+            # Still our row but ended before its expiry: our release committed and
+            # only the reply was lost. Ended at or after it: it had expired.
+            return info.expires_at < lease.expires_at, False
+        return self.run(stmt, values)[1] == 1, True
 
-    def _take_marker(self, marker: Marker) -> None:
+    def _take_marker(self, marker: Marker, deadline: float | None = None) -> None:
         values = self.grant_values(marker.key, 0, new_owner(), marker.ttl, marker.holder)
-        self.grant(values, 1, marker.ttl, 0.0)
+        with call_limit(deadline - time.monotonic()) if deadline else contextlib.nullcontext():
+            self.grant(values, 1, marker.ttl, 0.0)
 
     @bounded
     def renew(self, lease: Lease, seconds: float) -> RenewOutcome:

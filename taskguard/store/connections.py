@@ -26,7 +26,15 @@ from typing import Any, TypeVar
 from sqlalchemy import URL, Engine, create_engine, event
 from sqlalchemy import exc as sa_exc
 
-from taskguard.deadline import Watch, current_deadline, watchdog, within
+from taskguard.deadline import (
+    _DEADLINE,
+    DEFAULT_STATEMENT_LIMIT,
+    Watch,
+    call_limit,
+    current_deadline,
+    watchdog,
+    within,
+)
 from taskguard.dialects import Dialect, Statement, dialect_for, dialect_for_url
 from taskguard.exceptions import ConfigurationError, DatabaseUnavailable, TaskGuardError
 from taskguard.store.errors import translate_error
@@ -184,31 +192,43 @@ class Executor:
                     self._sa.reset_isolation_level(conn.dbapi_connection)
             conn.close()
 
-    def run(self, stmt: Statement, values: Mapping[str, Any]) -> tuple[list[tuple[Any, ...]], int]:
-        """Execute one statement in its own autocommit transaction.
+    def run(
+        self, stmt: Statement, values: Mapping[str, Any], deadline: float | None = None
+    ) -> tuple[list[tuple[Any, ...]], int]:
+        """Execute one statement in its own autocommit transaction, ended by
+        ``deadline`` (``time.monotonic()``; also by the context's, :mod:`taskguard.
+        deadline`; default: :data:`~taskguard.deadline.DEFAULT_STATEMENT_LIMIT`).
 
         Returns the rows (if any) and the affected row count.
         """
-        if stmt.unprepared is not None:
-            return self._on_cursor(_execute_either, stmt, values, self.dialect.prepares)
         pinned = getattr(self._local, "pinned", None)
-        if pinned is None or pinned.conn is None:
-            return self._on_cursor(_execute, stmt, stmt.params(values), values)
-        # This thread's pinned connection (the common case), inline.
-        deadline = current_deadline()
-        if deadline is not None and time.monotonic() >= deadline:
+        if stmt.unprepared is not None or pinned is None or pinned.watch is None:
+            limit = (
+                call_limit(deadline - time.monotonic()) if deadline else contextlib.nullcontext()
+            )
+            with limit:
+                if stmt.unprepared is not None:
+                    return self._on_cursor(_execute_either, stmt, values, self.dialect.prepares)
+                return self._on_cursor(_execute, stmt, stmt.params(values), values)
+        # This thread's pinned connection (the common case), inline: its watch armed
+        # (watchdog.arm, inlined), the statement run, the watch disarmed.
+        watch, now = pinned.watch, time.monotonic()
+        until = min(deadline or now + DEFAULT_STATEMENT_LIMIT, _DEADLINE.get() or math.inf)
+        if until <= now:
             raise self._too_late()
-        watch = watchdog.start(pinned.fd)
+        watch.deadline = until
+        if until < watchdog.wake_at:
+            watchdog.poke()
         try:
-            try:
-                return _execute(pinned.cursor, stmt, stmt.params(values), values)
-            finally:
-                watchdog.stop(watch)  # before the connection is dropped: its fd may be reused
+            rows = _execute(pinned.cursor, stmt, stmt.params(values), values)
         except Exception as exc:
+            watch.deadline = math.inf  # before the connection is dropped: its fd may be reused
             failed = self._failed(exc, pinned, watch)
             if failed is exc:
                 raise
             raise failed from exc
+        watch.deadline = math.inf
+        return rows
 
     def _too_late(self) -> DatabaseUnavailable:
         return DatabaseUnavailable(
@@ -326,7 +346,9 @@ def _execute(
 ) -> tuple[list[tuple[Any, ...]], int]:
     cur.execute(stmt.sql, params)
     known = stmt.returns_rows
-    rows = list(cur.fetchall()) if known or cur.description is not None else []
+    if known is None:
+        known = cur.description is not None
+    rows = list(cur.fetchall()) if known else []
     count = int(cur.rowcount)
     if stmt.then is not None and count > 0:
         # No UPDATE … RETURNING (MariaDB): read the rows back on the same connection.
@@ -352,17 +374,20 @@ class _Pinned:
     """One thread's checked-out connection and cursor. Returned to the pool when the
     thread ends (its thread-local dies), on :meth:`drop`, or on dispose()."""
 
-    __slots__ = ("__weakref__", "_finalizer", "conn", "cursor", "fd")
+    __slots__ = ("__weakref__", "_finalizer", "conn", "cursor", "fd", "watch")
 
     def __init__(self, conn: Any, fd: int | None) -> None:
         self.conn: Any = conn
         self.cursor = conn.dbapi_connection.cursor()
         #: The connection's socket (for the statement watchdog), read once.
         self.fd = fd
+        #: Its watch, armed per statement (None: no socket to watch, e.g. SQLite).
+        self.watch = watchdog.keep(fd)
         self._finalizer = weakref.finalize(self, _give_back, conn)
         self._finalizer.atexit = False  # a forked child must never close its parent's socket
 
     def drop(self, exc: BaseException | None = None) -> None:
+        watchdog.stop(self.watch)
         conn, self.conn = self.conn, None
         self._finalizer.detach()
         if conn is None:
@@ -375,6 +400,7 @@ class _Pinned:
 
     def forget(self) -> None:
         """After fork: the socket is the parent's; keep it referenced, never touch it."""
+        self.watch = None
         self._finalizer.detach()
         _INHERITED.append(self.conn)
         self.conn = None
