@@ -203,13 +203,13 @@ def guard_for(app: Any = None, *, url: str | None = None) -> TaskGuard:
 
     An app's settings are read on its first use in a process; call
     :func:`reset_guards` after changing them."""
+    try:
+        if url is None:
+            return _by_app[app]
+    except (KeyError, TypeError):  # not built yet, or no app (None)
+        pass
     if url is not None:
         return _guard_on(app, url)
-    if app is not None:
-        try:
-            return _by_app[app]
-        except (KeyError, TypeError):
-            pass
     guard = _resolve(app)
     if app is not None:
         with contextlib.suppress(TypeError):  # not weak-referenceable: resolve each time

@@ -269,6 +269,32 @@ class TaskGuard(AsyncLeases):
         ``reason``: recorded in the history (why it was released for its holder)."""
         if marker is not None:
             marker = validate_marker(marker, lease.key, self.hostname)
+        return self.give_back(lease, marker, reason)
+
+    # -- an integration's run: its arguments in stored form already -------------------
+
+    def take(
+        self,
+        key: str,
+        seconds: float,
+        holder: Holder,
+        unless: str | None = None,
+        record_refusal: bool = True,
+    ) -> Attempt:
+        """:meth:`try_acquire` of one slot for an integration's run, whose key is
+        stored form (:func:`~taskguard.keys.normalize_key`), ``seconds`` validated and
+        ``holder`` complete: nothing is validated again (this is every run's path)."""
+        values = self._store.grant_values(key, 0, new_owner(), seconds, holder, 1, unless)
+        lease, seen = self._store.grant_seeing(values, seconds)
+        if lease is not None and not self.history:
+            return Attempt(lease, None)
+        return self._outcome(lease, values, holder, None, seen, record_refusal)
+
+    def give_back(
+        self, lease: Lease, marker: Marker | None = None, reason: str | None = None
+    ) -> bool:
+        """:meth:`release` for an integration's run, whose ``marker`` (if any) is
+        complete (stored key, ttl in seconds, holder with host and pid)."""
         ended, by_statement = self._store.release(lease, marker)
         if by_statement and self.history:
             self._store.history.ended(lease, "released" if ended else "lost", "at release", reason)

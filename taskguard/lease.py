@@ -11,8 +11,7 @@ from taskguard.fencing import fence
 __all__ = ["Attempt", "Holder", "Lease", "LockInfo", "Marker", "ReapResult"]
 
 
-@dataclass(frozen=True, slots=True)
-class Holder:
+class Holder(NamedTuple):
     """Who took a lease, for people reading the table. Not used for ownership."""
 
     task_name: str | None = None
@@ -182,8 +181,7 @@ class Attempt(NamedTuple):
     holder: LockInfo | None
 
 
-@dataclass(frozen=True, slots=True)
-class Marker:
+class Marker(NamedTuple):
     """A key taken for ``ttl`` seconds together with a release
     (:meth:`taskguard.TaskGuard.release`), e.g. a record that some work finished
     that a later :meth:`~taskguard.TaskGuard.try_acquire` (``unless=``) respects.

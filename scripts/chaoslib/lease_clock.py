@@ -38,14 +38,15 @@ from tests.harness.proxy import FaultProxy
 
 
 def _holder(url: str, key: str, ttl: float, conn: Any) -> None:
-    from taskguard.celery.renewal import ActiveRun, Heartbeat, check_lease, enter_run, exit_run
+    from taskguard.holding import Hold, check_lease, enter_run, exit_run
 
     guard, res = TaskGuard(url), Resource(url)
     lease = guard.acquire(key, ttl)
     assert lease is not None, "the holder did not get the key"
-    run = ActiveRun(guard, key, lease, request=None)
+    run = Hold(guard, key, lease, request=None)
     token = enter_run(run)
-    beat = Heartbeat(run, None, "chaos-holder").start()
+    run.start_renewing()
+    beat = run
     writes: list[tuple[str, Any]] = []
 
     def write(with_lease: Lease) -> tuple[str, Any]:
@@ -82,7 +83,7 @@ def _holder(url: str, key: str, ttl: float, conn: Any) -> None:
         # Its pooled connection died while the database was cut off (the backends were
         # terminated first); the pool has dropped it, so the fence now gets its say.
         late = write(lease)
-    beat.stop()
+    beat.stop_renewing()
     exit_run(token)
     conn.send(("done", writes, late))
     guard.dispose()

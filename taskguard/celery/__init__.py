@@ -7,10 +7,10 @@ settings) and docs/behaviour.md (retries, eager mode, fencing tokens, signals).
 from taskguard.celery import startup as _startup  # noqa: F401  (connects the start-up check)
 from taskguard.celery.options import CONFLICT_STRATEGIES, LOCK_PHASES
 from taskguard.celery.pending import is_coalesced
-from taskguard.celery.renewal import check_lease, current_lease
 from taskguard.celery.results import MARKER, SKIPPED, is_skipped, skipped_result
 from taskguard.celery.task import GuardedTask, guarded_task
 from taskguard.celery.worker import GuardedRequest
+from taskguard.holding import check_lease, current_lease
 from taskguard.keys import KeyDeriver, args_digest, canonical
 
 __all__ = [

@@ -25,7 +25,6 @@ may run again, as it always could.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, NoReturn
 
 from celery.exceptions import Ignore, Reject, Retry
@@ -36,14 +35,12 @@ from taskguard.companions import FINISHED_PREFIX
 from taskguard.config import setting
 from taskguard.guard import TaskGuard
 from taskguard.keys import normalize_key, validate_ttl
-from taskguard.lease import Holder, Marker
 
 __all__ = [
     "PREFIX",
     "drop_late_copy",
     "finished_key",
     "is_finished",
-    "marker",
     "outcome_is_final",
     "record_finished",
     "retention",
@@ -56,13 +53,14 @@ log = logging.getLogger("taskguard.celery")
 PREFIX = FINISHED_PREFIX
 
 
-def finished_key(task_id: str) -> str:
-    return normalize_key(f"{PREFIX}{stored_task_id(task_id)}")
+def finished_key(stored_id: str | None) -> str:
+    """The key of the record that the task id stored as ``stored_id`` finished."""
+    return normalize_key(f"{PREFIX}{stored_id}")
 
 
 def is_finished(guard: TaskGuard, task_id: str) -> bool:
     """Whether a run of ``task_id`` finished within the retention window."""
-    info = guard.get(finished_key(task_id))
+    info = guard.get(finished_key(stored_task_id(task_id)))
     return info is not None and info.held
 
 
@@ -102,19 +100,12 @@ def tracks(task: Any, request: Any) -> bool:
     return not request.is_eager and retention(task) > 0
 
 
-def marker(task: Any, request: Any, key: str | None = None) -> Marker:
-    """The record that ``request.id`` finished (at ``key``, its
-    :func:`finished_key` when the caller has it already), taken by the run's release."""
-    holder = Holder(task.name, stored_task_id(request.id), request.hostname, os.getpid())
-    return Marker(key or finished_key(request.id), retention(task), holder)
-
-
 def record_finished(guard: TaskGuard, task: Any, request: Any) -> None:
     """Record that ``request.id`` finished (never raises: a failure is logged and
     only this protection is lost)."""
     try:
         guard.try_acquire(
-            finished_key(request.id),
+            finished_key(stored_task_id(request.id)),
             retention(task),
             task_name=task.name,
             task_id=stored_task_id(request.id),

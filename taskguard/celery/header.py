@@ -73,12 +73,12 @@ class Header(NamedTuple):
     def of(cls, request: Any) -> Header:
         """The header of a Celery request/context (worker: an attribute; eager
         ``apply()``: inside ``request.headers``) or a request dict; empty if none."""
+        value = getattr(request, HEADER, None)  # a worker's request: an attribute
+        if type(value) is str:  # read on every run: the key alone
+            return cls(value)
         if isinstance(request, Mapping):
             value, headers = request.get(HEADER), request.get("headers")
         else:
-            value = getattr(request, HEADER, None)
-            if type(value) is str:  # a worker's request, read on every run: the key alone
-                return cls(value)
             if type(value) is dict:
                 return cls.from_dict(value)
             headers = getattr(request, "headers", None)

@@ -92,9 +92,10 @@ def release_quietly(
     guard: TaskGuard, lease: Lease, marker: Marker | None = None, reason: str | None = None
 ) -> bool:
     """Release without raising (a failure is logged; the lease then ends by expiry);
+    ``marker``: complete, as the Celery layer builds them (see :meth:`TaskGuard.give_back`);
     ``reason``: why, for the history (see :meth:`TaskGuard.release`)."""
     try:
-        return guard.release(lease, marker=marker, reason=reason)
+        return guard.give_back(lease, marker, reason)
     except TaskGuardError as exc:
         log.error(
             "could not release lock %r (owner %s): %s; it ends by expiry at %s",
@@ -151,9 +152,10 @@ def _keep_releasing(guard: TaskGuard, leases: list[Lease], why: str) -> None:
 
 
 def send_released(sender: Any, lease: Lease, released: bool, held_for: float) -> None:
-    signals.lock_released.send(
-        sender=sender, key=lease.key, lease=lease, held_for=held_for, released=released
-    )
+    if signals.lock_released.receivers:
+        signals.lock_released.send(
+            sender=sender, key=lease.key, lease=lease, held_for=held_for, released=released
+        )
 
 
 def held_seconds(lease: Lease, now: datetime | None = None) -> float:

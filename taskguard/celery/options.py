@@ -126,7 +126,7 @@ class GuardOptions:
     #: Longest wait of ``on_conflict="wait"``; ``None``: ``taskguard_wait_timeout``.
     wait_timeout: float | None = field(default=None, metadata=_checked_by(_seconds))
     #: Raise :class:`~taskguard.LeaseLost` inside the body once its lease is lost
-    #: (see taskguard.celery.renewal.Interrupter for what each pool can do).
+    #: (see taskguard.holding.Interrupter for what each pool can do).
     stop_on_lease_loss: bool = field(default=False, metadata=_checked_by(_flag))
     #: [coalesce/rate] Per-key start rate, ``"N/period"`` such as ``"3/2s"`` or
     #: ``"10/m"`` (see taskguard.celery.rate); ``build`` turns it into a :class:`Rate`.
@@ -208,6 +208,13 @@ class GuardOptions:
     def pending_runs(self) -> bool:
         """[coalesce/debounce] Whether a submission may wait as the key's pending run."""
         return self.strategy.pending or self.debounce is not None
+
+    @cached_property
+    def plain(self) -> bool:
+        """The common run: the lock held while the body runs and taken by one acquire
+        of one slot; no pending runs, rate, limit, throttle window or wait."""
+        no_extras = not self.acquire_options and not self.strategy.waits
+        return self.locks_run and no_extras and not self.pending_runs and self.rate is None
 
     @cached_property
     def locks_queue(self) -> bool:

@@ -17,6 +17,7 @@ the run off (:mod:`taskguard.celery.deferral`).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -26,49 +27,46 @@ from taskguard.celery.conflicts import RETRY
 from taskguard.celery.deferral import defer
 from taskguard.celery.header import Header, stored_task_id
 from taskguard.celery.leasing import release_quietly, send_released
-from taskguard.celery.renewal import (
-    ActiveRun,
-    Heartbeat,
-    Interrupter,
-    enter_run,
-    exit_run,
-    valid_until,
-)
 from taskguard.celery.results import is_marker
 from taskguard.config import guard_for, setting
 from taskguard.exceptions import DatabaseUnavailable
+from taskguard.holding import Hold, Interrupter, enter_run, exit_run, valid_until
 from taskguard.keys import validate_ttl
-from taskguard.lease import Lease, LockInfo, Marker
+from taskguard.lease import Holder, Lease, LockInfo, Marker
 
 __all__ = ["Run"]
 
 log = logging.getLogger("taskguard.celery")
 
 
-class Run(ActiveRun):
-    """One execution of a guarded task, from admission to release.
+class Run(Hold):
+    """One execution of a guarded task, from admission to release: the held lease's
+    state (:class:`~taskguard.holding.Hold`: ``lease``, ``lost``, ``valid_until``,
+    ``handed_over``, ``interrupter``) plus what the run knows about its message: the
+    task, its options, the :class:`Header`, the arguments, the finished record it
+    checks and leaves (``done``), whether its body started."""
 
-    The held lease's state (``lease``, ``lost``, ``valid_until``, ``handed_over``,
-    ``interrupter``: :class:`~taskguard.celery.renewal.ActiveRun`) plus what the run
-    knows about its message: the task, its options, the :class:`Header`, the
-    arguments, the finished record it checks and leaves (``done``), the pending
-    place it holds (``waiting``), whether its body started."""
-
-    __slots__ = ("args", "body_started", "deferred", "done", "header", "kwargs", "opts", "task")
+    #: The key of this run's finished record (None: the run keeps none).
+    done: str | None = None
+    #: From here on an outage is the body's own error.
+    body_started = False
+    #: A lock="queue" conflict retried: the retry checks the key again.
+    deferred = False
+    started = 0.0
 
     def __init__(self, task: Any, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]):
-        super().__init__(guard_for(task._get_app()), "", None, request)
-        self.task = task
-        self.opts = task.taskguard_options
+        self.task, self.request, self.args, self.kwargs = task, request, args, kwargs
+        self.opts, self.ttl, self.retention = task._run_settings()
+        self.guard = guard_for(task._get_app())
         self.header = Header.of(request)
-        self.args = args
-        self.kwargs = kwargs
-        #: The key of this run's finished record (None: the run keeps none).
-        self.done: str | None = None
-        #: From here on an outage is the body's own error.
-        self.body_started = False
-        #: A lock="queue" conflict retried: the retry checks the key again.
-        self.deferred = False
+
+    @property
+    def sender(self) -> Any:
+        return self.task
+
+    @property
+    def task_id(self) -> str | None:  # type: ignore[override]
+        return self.request.id  # type: ignore[no-any-return]
 
     # -- the life of a run, in order ----------------------------------------------------
 
@@ -83,15 +81,24 @@ class Run(ActiveRun):
             exit_run(token)
 
     def _admit(self) -> Any:
-        task, request, header = self.task, self.request, self.header
+        request, header = self.request, self.header
         if header.marker is not None and is_marker(header.marker):
             return header.marker  # answered at enqueue; published only so the canvas goes on
         self.key = header.message_key(self.opts.deriver.derive, self.args, self.kwargs)
-        if not request.is_eager and completions.retention(task) > 0:
+        tid = stored_task_id(request.id)
+        self.holder = Holder(self.task.name, tid, request.hostname, os.getpid())
+        if self.retention > 0 and not request.is_eager:
             # This run's finished record: refuses the acquire, then rides on the release.
-            self.done = completions.finished_key(request.id)
+            self.done = completions.finished_key(tid)
         if not self.opts.locks_run:
             return self._queue_phase()
+        if self.opts.plain and header.lease is None:
+            # The common case: one acquire, nothing to adopt, no pending place or rate.
+            attempt = self.guard.take(self.key, self.ttl, self.holder, self.done)
+            if attempt.lease is None:
+                return self._refused(attempt.lease, attempt.holder, None, None)
+            self._hold(attempt.lease, taken=True)
+            return self._body()
         return self._acquire()
 
     def _queue_phase(self) -> Any:
@@ -109,8 +116,10 @@ class Run(ActiveRun):
         return self._body()
 
     def _acquire(self) -> Any:
+        """Every other acquire: a pending place first, the lease the message carries
+        adopted, a blocking acquire (on_conflict="wait")."""
         task, guard, request, key, opts = self.task, self.guard, self.request, self.key, self.opts
-        ttl = task._ttl()
+        ttl = self.ttl
         lease = None
         waiting = None  # [coalesce/debounce] the key's pending place this run holds
         if opts.pending_runs:
@@ -126,42 +135,69 @@ class Run(ActiveRun):
             # Adopting the hand-off took it from the owner id in the message, which no
             # delivery of this task id had taken before: none of them ran, let alone
             # finished. Otherwise the acquire below refuses a finished task id itself.
+        taken = lease is None
         if lease is None:
             lease, holder, waited = self._take(ttl)
             if lease is None:
-                if self.done is not None and holder is not None and holder.key == self.done:
-                    if waiting is not None:  # [coalesce/debounce] not a run that will happen
-                        release_quietly(guard, waiting)
-                    completions.drop_late_copy(task, request, key)
-                if opts.pending_runs and not self._own(holder):
-                    return pending.wait_for_key(
-                        task, guard, request, key, holder, waiting, self.header
-                    )
-                return self.conflict(holder, waited=waited)
-            signals.lock_acquired.send(sender=task, key=key, lease=lease)
-        self.lease = lease  # an outage from here to the body: the copy adopts it
-        self.started = time.monotonic()
-        self.valid_until = valid_until(lease)
+                return self._refused(lease, holder, waited, waiting)
+        return self._start(lease, waiting, taken)
+
+    def _refused(
+        self,
+        lease: Lease | None,
+        holder: LockInfo | None,
+        waited: float | None,
+        waiting: Lease | None,
+    ) -> Any:
+        """The key was held: a finished copy is dropped, a pending run waits, anything
+        else is a conflict."""
+        task, request, key = self.task, self.request, self.key
+        if holder is None and self.opts.plain and waited is None:
+            # A holder that released before it could be read: the key is likely free.
+            lease, holder, waited = self._take(self.ttl)
+            if lease is not None:
+                return self._start(lease, waiting, taken=True)
+        if self.done is not None and holder is not None and holder.key == self.done:
+            if waiting is not None:  # [coalesce/debounce] not a run that will happen
+                release_quietly(self.guard, waiting)
+            completions.drop_late_copy(task, request, key)
+        if self.opts.pending_runs and not self._own(holder):
+            return pending.wait_for_key(
+                task, self.guard, request, key, holder, waiting, self.header
+            )
+        return self.conflict(holder, waited=waited)
+
+    def _hold(self, lease: Lease, taken: bool) -> None:
+        """Hold ``lease`` from here on (an outage before the body: the copy adopts
+        it); a lease taken (not adopted) is announced."""
+        if taken and signals.lock_acquired.receivers:
+            signals.lock_acquired.send(sender=self.task, key=self.key, lease=lease)
+        self.lease, self.started, self.valid_until = lease, time.monotonic(), valid_until(lease)
+
+    def _start(self, lease: Lease, waiting: Lease | None, taken: bool) -> Any:
+        """:meth:`_hold`, then a rate= start counted, the pending place handed on."""
+        task, opts = self.task, self.opts
+        self._hold(lease, taken)
         if opts.rate is not None:  # [rate] count the start, or defer it
-            counted, slot = rate.take_start(task, guard, request, key, opts.rate)
+            counted, slot = rate.take_start(task, self.guard, self.request, self.key, opts.rate)
             if not counted:
                 self.release()
                 extra = pending.carried(self.header, waiting)
-                raise defer(task, request, key, _rate_countdown(slot), "rate", extra)
+                raise defer(task, self.request, self.key, _rate_countdown(slot), "rate", extra)
         if opts.pending_runs:  # [coalesce/debounce] the next submission becomes pending
-            pending.started(guard, waiting)
-            debounce.started(guard, self.header)
+            pending.started(self.guard, waiting)
+            debounce.started(self.guard, self.header)
         return self._body()
 
     def _take(self, ttl: float) -> tuple[Lease | None, LockInfo | None, float | None]:
         """The run's lease, or the holder that kept it from us (refused, holder the
         record, while the finished record is held); with on_conflict="wait" also the
         seconds waited (one blocking acquire)."""
-        task, request, opts = self.task, self.request, self.opts
+        task, opts, h = self.task, self.opts, self.holder
         details = {
-            "task_name": task.name,
-            "task_id": stored_task_id(request.id),
-            "hostname": request.hostname,
+            "task_name": h.task_name,
+            "task_id": h.task_id,
+            "hostname": h.hostname,
             "unless": self.done,
             # A start deferred while the key is busy (a pending run, a rate= start)
             # records its first refusal only.
@@ -187,53 +223,45 @@ class Run(ActiveRun):
         return None, attempt.holder, time.monotonic() - started
 
     def _body(self) -> Any:
-        task = self.task
         self.body_started = True
-        heartbeat = None
         if self.lease is not None:
-            heartbeat = Heartbeat(self, task, self.request.id)
+            self.start_renewing()
             if self.opts.stop_on_lease_loss:
-                self.interrupter = Interrupter(task.name).arm()
-        outcome: BaseException | None = None
+                self.interrupter = Interrupter(self.task.name).arm()
         try:
-            if heartbeat is not None:
-                heartbeat.start()
-            try:
-                return task.run(*self.args, **self.kwargs)
-            except BaseException as exc:
-                outcome = exc
-                raise
-            finally:
-                if self.interrupter is not None:
+            if self.interrupter is None:
+                result = self.task.run(*self.args, **self.kwargs)
+            else:
+                try:
+                    result = self.task.run(*self.args, **self.kwargs)
+                finally:
                     self.interrupter.disarm()  # first: nothing may interrupt the clean-up
-        finally:
-            if heartbeat is not None:
-                heartbeat.stop()
-            self._finish(outcome)
+        except BaseException as exc:
+            self._finish(exc)
+            raise
+        self._finish(None)
+        return result
 
     def _finish(self, outcome: BaseException | None) -> None:
-        """After the body: release (with the finished record when the run is done for
-        good), unless a retry carries the lease on."""
-        task, request = self.task, self.request
-        final = self.done is not None and completions.outcome_is_final(outcome, task)
-        if self.lease is not None and not self.handed_over:
-            # The finished record goes with the release (one statement on PostgreSQL).
-            self.release(completions.marker(task, request, self.done) if final else None)
-            return
-        if final:
-            completions.record_finished(self.guard, task, request)
+        """After the body: stop renewing, then release (with the finished record when
+        the run is done for good), unless a retry carries the lease on."""
+        final = self.done is not None and completions.outcome_is_final(outcome, self.task)
         if self.lease is not None:
-            self.release()
+            self.stop_renewing()
+            if not self.handed_over:
+                # The finished record goes with the release (one statement on PostgreSQL).
+                done = self.done if final else None
+                return self.release(Marker(done, self.retention, self.holder) if done else None)
+            log.debug("lock %r kept for the retry of %s", self.key, self.task.name)
+        if final:
+            completions.record_finished(self.guard, self.task, self.request)
+        return None
 
     def release(self, marker: Marker | None = None) -> None:
-        """Give back the run's lease (unless a retry carries it on); ``marker`` is
-        taken by the same release."""
+        """Give back the run's lease (not handed to a retry); ``marker`` is taken by the
+        same release."""
         lease = self.lease
-        assert lease is not None
-        if self.handed_over:
-            log.debug("lock %r kept for the retry of %s", lease.key, self.task.name)
-            return
-        held_for = time.monotonic() - self.started
+        assert lease is not None and not self.handed_over
         released = release_quietly(self.guard, lease, marker)
         if not released and self.lost is None:
             log.warning(
@@ -242,7 +270,7 @@ class Run(ActiveRun):
                 lease.owner,
                 self.task.name,
             )
-        send_released(self.task, lease, released, held_for)
+        send_released(self.task, lease, released, time.monotonic() - self.started)
 
     # -- a held key -------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from celery import Task, shared_task
 from celery.exceptions import Retry
 from celery.signals import task_revoked
 
-from taskguard.celery import enqueue
+from taskguard.celery import completions, enqueue
 from taskguard.celery.deferral import retry_delay
 from taskguard.celery.header import HEADER, Header
 from taskguard.celery.leasing import clamp_ttl, default_ttl
@@ -35,10 +35,10 @@ from taskguard.celery.options import (
     signature_of,
     split_options,
 )
-from taskguard.celery.renewal import active_run
 from taskguard.celery.running import Run
 from taskguard.celery.worker import release_unstarted
 from taskguard.exceptions import ConfigurationError
+from taskguard.holding import active_run
 from taskguard.keys import KeyOption
 
 __all__ = ["GuardedTask", "guarded_task"]
@@ -88,6 +88,15 @@ class GuardedTask(Task):  # type: ignore[misc]
             ttl = default_ttl(self._get_app(), self.taskguard_options.ttl)
             self.__dict__["_taskguard_ttl"] = ttl
         return float(ttl)
+
+    def _run_settings(self) -> tuple[GuardOptions, float, float]:
+        """What every run reads (the options, the lease's ttl, the finished records'
+        retention), read once per task object."""
+        cached = self.__dict__.get("_taskguard_run_settings")
+        if cached is None:
+            cached = (self.taskguard_options, self._ttl(), completions.retention(self))
+            self.__dict__["_taskguard_run_settings"] = cached
+        return cached
 
     def _queue_ttl(self) -> float:
         queue_ttl = self.taskguard_options.queue_ttl

@@ -86,23 +86,39 @@ class Statement:
     #: rows the dialect also understands.
     unprepared: Statement | None = None
 
-    #: The parameters in order, from a mapping (C-level: every lock call runs it).
-    pick: Callable[[Mapping[str, Any]], Any] | None = field(
-        default=None, init=False, repr=False, compare=False
+    #: The statement's parameters from a mapping of values: a tuple in order where the
+    #: driver takes them by position (an ``itemgetter``: no Python frame per call).
+    params: Callable[[Mapping[str, Any]], Any] = field(
+        default=dict, init=False, repr=False, compare=False
     )
 
     def __post_init__(self) -> None:
-        names = self.positional_names
-        if names:
-            pick = itemgetter(*names) if len(names) > 1 else lambda v: (v[names[0]],)
-            object.__setattr__(self, "pick", pick)
+        names, defaults = self.positional_names, dict(self.defaults)
+        if names is None:
+            params: Callable[[Mapping[str, Any]], Any] = dict
+        elif not names:
+            params = _no_params
+        elif len(names) == 1:
+            params = _one(names[0])
+        else:
+            params = itemgetter(*names)
+        if defaults:
+            params = _with_defaults(params, defaults)
+        object.__setattr__(self, "params", params)
 
-    def params(self, values: Mapping[str, Any]) -> Mapping[str, Any] | tuple[Any, ...]:
-        if self.defaults:
-            values = {**dict(self.defaults), **values}
-        if self.positional_names is None:
-            return values
-        return self.pick(values) if self.pick is not None else ()
+
+def _no_params(_values: Mapping[str, Any]) -> tuple[()]:
+    return ()
+
+
+def _one(name: str) -> Callable[[Mapping[str, Any]], tuple[Any]]:
+    return lambda values: (values[name],)
+
+
+def _with_defaults(
+    params: Callable[[Mapping[str, Any]], Any], defaults: dict[str, Any]
+) -> Callable[[Mapping[str, Any]], Any]:
+    return lambda values: params({**defaults, **values})
 
 
 def compile_for(stmt: ClauseElement | Executable, dialect: SADialect) -> Statement:

@@ -15,7 +15,6 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from datetime import datetime
-from operator import attrgetter
 from typing import Any, Literal
 
 from sqlalchemy import URL, Engine
@@ -53,7 +52,6 @@ CONTENDED_KEYS = 1024
 _GRANT = ("unless", "key", "slot", "n", "owner", "ttl", "task_name", "task_id", "hostname", "pid")
 #: The marker's parameters of :attr:`LockSQL.release_marking`.
 _MARK = ("mark_key", "mark_owner", "mark_ttl", "task_name", "task_id", "hostname", "pid")
-_holder_values = attrgetter("task_name", "task_id", "hostname", "pid")
 
 
 class Store:
@@ -111,10 +109,8 @@ class Store:
     ) -> dict[str, Any]:
         """The parameters of one grant attempt (kept across retries of it); refused
         while the key ``unless`` is held."""
-        h, ttl = holder, self._secs(seconds)
-        return dict(
-            zip(_GRANT, (unless, key, slot, n, owner, ttl, *_holder_values(h)), strict=True)
-        )
+        ttl = self._secs(seconds)
+        return dict(zip(_GRANT, (unless, key, slot, n, owner, ttl, *holder), strict=True))
 
     @bounded
     def grant(
@@ -150,19 +146,12 @@ class Store:
                         exc, self._full(values, 1), values, 1, seconds, hold, sent
                     )
             if rows:
-                token, at, until = rows[0]
-                key, owner, conv = values["key"], values["owner"], self._conv
-                return Lease(
-                    key,
-                    owner,
-                    int(token),
-                    conv(at),
-                    conv(until),
-                    seconds,
-                    values["slot"],
-                    hold,
-                    sent,
-                ), None
+                (token, at, until), conv = rows[0], self._conv
+                key, owner, slot = values["key"], values["owner"], values["slot"]
+                lease = Lease(
+                    key, owner, int(token), conv(at), conv(until), seconds, slot, hold, sent
+                )
+                return lease, None
             if len(self._contended) >= CONTENDED_KEYS:
                 self._contended.clear()  # forgotten: the lean one goes first again
             self._contended.add(values["key"])
@@ -316,17 +305,16 @@ class Store:
         where the dialect can, else by a second one."""
         deadline = time.monotonic() + self.call_timeout
         values: dict[str, Any] = {"key": lease.key, "slot": lease.slot, "owner": lease.owner}
-        stmt = self._sql.release
-        if lease.min_hold:
-            stmt, values["hold"] = self._sql.release_hold, self._secs(lease.min_hold)
-        elif marker is not None and self._sql.release_marking is not None:
-            stmt, mark_ttl, h = self._sql.release_marking, self._secs(marker.ttl), marker.holder
-            values.update(
-                zip(_MARK, (marker.key, new_owner(), mark_ttl, *_holder_values(h)), strict=True)
-            )
-        if marker is not None and stmt is not self._sql.release_marking:
-            # Before the release: the key is never free while the record is missing.
-            self._take_marker(marker, deadline)
+        stmt, marking = self._sql.release, self._sql.release_marking
+        if marker is not None and marking is not None and not lease.min_hold:
+            stmt, mark = marking, (marker.key, new_owner(), self._secs(marker.ttl), *marker.holder)
+            values.update(zip(_MARK, mark, strict=True))
+        else:
+            if lease.min_hold:
+                stmt, values["hold"] = self._sql.release_hold, self._secs(lease.min_hold)
+            if marker is not None:
+                # Before the release: the key is never free while the record is missing.
+                self._take_marker(marker, deadline)
         try:
             return self.run(stmt, values, deadline)[1] == 1, True
         except DatabaseUnavailable as exc:

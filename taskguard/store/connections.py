@@ -346,15 +346,13 @@ def _execute(
 ) -> tuple[list[tuple[Any, ...]], int]:
     cur.execute(stmt.sql, params)
     known = stmt.returns_rows
-    if known is None:
-        known = cur.description is not None
-    rows = list(cur.fetchall()) if known else []
-    count = int(cur.rowcount)
-    if stmt.then is not None and count > 0:
+    rows = list(cur.fetchall()) if known or (known is None and cur.description) else []
+    if stmt.then is not None and cur.rowcount > 0:
         # No UPDATE … RETURNING (MariaDB): read the rows back on the same connection.
+        count = cur.rowcount
         cur.execute(stmt.then.sql, stmt.then.params(values))
-        rows = list(cur.fetchall())
-    return rows, count
+        return list(cur.fetchall()), count
+    return rows, cur.rowcount
 
 
 def _execute_either(

@@ -130,7 +130,7 @@ def test_a_renewal_that_hangs_loses_the_lease_before_its_database_expiry() -> No
     """A running task's lease: the standby stops while the body runs; the renewal's
     commit waits for it forever, and the renewer declares the lease lost by the local
     clock while the database still has it live."""
-    from taskguard.celery.renewal import ActiveRun, Heartbeat
+    from taskguard.holding import Hold
 
     ttl = 3.0
     with ReplicatedPair(sync=True) as rp:
@@ -140,8 +140,9 @@ def test_a_renewal_that_hangs_loses_the_lease_before_its_database_expiry() -> No
         try:
             lease = guard.acquire("running", ttl)
             assert lease is not None
-            run = ActiveRun(guard, "running", lease, request=None)
-            beat = Heartbeat(run, None, "tid").start()
+            run = Hold(guard, "running", lease, request=None)
+            run.start_renewing()
+            beat = run
             try:
                 time.sleep(ttl / 3 + 0.2)  # one renewal went through
                 assert run.lost is None
@@ -151,7 +152,7 @@ def test_a_renewal_that_hangs_loses_the_lease_before_its_database_expiry() -> No
                     time.sleep(0.02)
                 lost_at = time.time()
             finally:
-                beat.stop()
+                beat.stop_renewing()
             assert run.lost is not None, "the lease was never declared lost"
             ahead = lease.expires_at.timestamp() - lost_at
             print(f"lease (ttl {ttl}s) declared lost {ahead:.2f}s before its database expiry")
@@ -182,9 +183,8 @@ def _hold_through(
     """A guarded run on ``holder`` (renewed, stop_on_lease_loss armed, the body
     polling check_lease()); ``freeze()`` after its first renewal while ``other``
     keeps trying to take the key; ``thaw()`` once the other got it (or gave up)."""
-    from taskguard.celery.renewal import (
-        ActiveRun,
-        Heartbeat,
+    from taskguard.holding import (
+        Hold,
         Interrupter,
         check_lease,
         enter_run,
@@ -194,10 +194,11 @@ def _hold_through(
     out = Holding()
     lease = holder.acquire(key, ttl)
     assert lease is not None
-    run = ActiveRun(holder, key, lease, request=None)
+    run = Hold(holder, key, lease, request=None)
     token = enter_run(run)
     run.interrupter = Interrupter("bounded.hold").arm()
-    beat = Heartbeat(run, None, "tid").start()
+    run.start_renewing()
+    beat = run
     stop = threading.Event()
 
     def contend() -> None:
@@ -235,7 +236,7 @@ def _hold_through(
         run.interrupter.disarm()
         stop.set()
         thaw()
-        beat.stop()
+        beat.stop_renewing()
         exit_run(token)
         contender.join(10) if contender.is_alive() else None
     return out

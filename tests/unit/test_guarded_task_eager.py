@@ -21,10 +21,10 @@ from taskguard import (
     check_lease,
     current_lease,
     guarded_task,
+    holding,
     is_skipped,
     signals,
 )
-from taskguard.celery import renewal
 from taskguard.config import reset_guards
 
 
@@ -284,7 +284,7 @@ def test_heartbeat_renews_past_the_ttl_and_stops(app: Celery, guard: TaskGuard) 
     result = slow.delay()
     assert result.state == "SUCCESS", result.result
     assert expiries == sorted(expiries) and len(set(expiries)) > 1
-    assert renewal._renewer().scheduled() == 0  # nothing renews after the run
+    assert holding.renewing() == 0  # nothing renews after the run
 
 
 def test_lost_lease_is_reported_to_the_task(

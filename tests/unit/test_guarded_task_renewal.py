@@ -14,11 +14,9 @@ from typing import Any
 
 import pytest
 
-from taskguard import Lease, LeaseLost, TaskGuard, signals
-from taskguard.celery import renewal
-from taskguard.celery.renewal import (
-    ActiveRun,
-    Heartbeat,
+from taskguard import Lease, LeaseLost, TaskGuard, holding, signals
+from taskguard.holding import (
+    Hold,
     check_lease,
     current_lease,
     enter_run,
@@ -35,24 +33,21 @@ def dead_guard() -> Iterator[TaskGuard]:
     g.dispose()
 
 
-class Sender:
-    """Stands in for a task object (only its lifetime matters here)."""
-
-
 def test_heartbeat_renews_until_stopped(pg_guard: TaskGuard) -> None:
     lease = pg_guard.acquire("k", 1.0)
     assert lease is not None
     first_expiry = lease.expires_at
-    run = ActiveRun(pg_guard, "k", lease, request=None)
-    beat = Heartbeat(run, Sender(), "tid").start()
+    run = Hold(pg_guard, "k", lease, request=None)
+    run.start_renewing()
+    beat = run
     try:
         time.sleep(2.2)  # more than two ttls
         info = pg_guard.get("k")
         assert info is not None and info.held and info.owner == lease.owner
         assert lease.expires_at > first_expiry and run.lost is None
     finally:
-        beat.stop()
-    assert renewal._renewer().scheduled() == 0
+        beat.stop_renewing()
+    assert holding.renewing() == 0
     time.sleep(1.2)
     info = pg_guard.get("k")
     assert info is not None and not info.held  # nobody renews after stop()
@@ -63,7 +58,7 @@ def test_unreachable_database_loses_the_lease_when_it_runs_out(
 ) -> None:
     lease = pg_guard.acquire("k", 1.0)
     assert lease is not None
-    run = ActiveRun(dead_guard, "k", lease, request=None)
+    run = Hold(dead_guard, "k", lease, request=None)
     lost: list[dict[str, Any]] = []
 
     def receiver(sender: Any = None, **kw: Any) -> None:
@@ -72,7 +67,8 @@ def test_unreachable_database_loses_the_lease_when_it_runs_out(
     signals.lease_lost.connect(receiver, weak=False)
     caplog.set_level(logging.WARNING, logger="taskguard.celery")
     token = enter_run(run)
-    beat = Heartbeat(run, None, "tid").start()
+    run.start_renewing()
+    beat = run
     try:
         deadline = time.monotonic() + 5
         while run.lost is None and time.monotonic() < deadline:
@@ -82,7 +78,7 @@ def test_unreachable_database_loses_the_lease_when_it_runs_out(
             current_lease()
         assert current_lease(check=False) is lease
     finally:
-        beat.stop()
+        beat.stop_renewing()
         exit_run(token)
         signals.lease_lost.disconnect(receiver)
     assert lost and lost[0]["key"] == "k"
@@ -94,30 +90,28 @@ def test_unreachable_database_loses_the_lease_when_it_runs_out(
 def test_handed_over_lease_is_not_reported_lost(pg_guard: TaskGuard) -> None:
     lease = pg_guard.acquire("k", 0.3)
     assert lease is not None
-    run = ActiveRun(pg_guard, "k", lease, request=None)
-    beat = Heartbeat(run, None, "tid").start()
+    run = Hold(pg_guard, "k", lease, request=None)
+    run.start_renewing()
+    beat = run
     try:
         run.handed_over = True
         assert pg_guard.release(lease)  # the retried run finished and released it
         time.sleep(0.5)
         assert run.lost is None
     finally:
-        beat.stop()
+        beat.stop_renewing()
 
 
-def test_heartbeat_does_not_keep_the_task_alive(pg_guard: TaskGuard) -> None:
+def test_a_stopped_hold_is_not_kept_by_the_renewer(pg_guard: TaskGuard) -> None:
     lease = pg_guard.acquire("k", 5)
     assert lease is not None
-    sender = Sender()
-    ref = weakref.ref(sender)
-    run = ActiveRun(pg_guard, "k", lease, request=None)
-    beat = Heartbeat(run, sender, "tid").start()
-    try:
-        del sender
-        gc.collect()
-        assert ref() is None
-    finally:
-        beat.stop()
+    run = Hold(pg_guard, "k", lease, request=None)
+    run.start_renewing()
+    ref = weakref.ref(run)
+    run.stop_renewing()
+    del run
+    gc.collect()
+    assert ref() is None  # nothing renews (or keeps) a run after it stopped
 
 
 def _renewer_threads() -> list[threading.Thread]:
@@ -128,24 +122,22 @@ def test_one_renewer_thread_serves_every_run_and_exits_when_idle(pg_guard: TaskG
     leases = [pg_guard.acquire(f"k{i}", 0.6) for i in range(3)]
     assert all(lease is not None for lease in leases)
     first = [lease.expires_at for lease in leases if lease is not None]
-    beats = [
-        Heartbeat(ActiveRun(pg_guard, lease.key, lease, request=None), None, "tid").start()
-        for lease in leases
-        if lease is not None
-    ]
+    beats = [Hold(pg_guard, lease.key, lease, request=None) for lease in leases if lease]
+    for beat in beats:
+        beat.start_renewing()
     try:
         time.sleep(0.9)  # past the first ttl: only renewals keep them
         assert len(_renewer_threads()) == 1
-        assert renewal._renewer().scheduled() == 3
+        assert holding.renewing() == 3
         for lease, before in zip(leases, first, strict=True):
             assert lease is not None and lease.expires_at > before
             info = pg_guard.get(lease.key)
             assert info is not None and info.held
     finally:
         for beat in beats:
-            beat.stop()
-    assert renewal._renewer().scheduled() == 0
-    deadline = time.monotonic() + renewal.IDLE_EXIT + 2
+            beat.stop_renewing()
+    assert holding.renewing() == 0
+    deadline = time.monotonic() + holding.IDLE_EXIT + 2
     while _renewer_threads() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _renewer_threads()
@@ -154,11 +146,11 @@ def test_one_renewer_thread_serves_every_run_and_exits_when_idle(pg_guard: TaskG
 def test_stopped_heartbeats_do_not_pile_up(pg_guard: TaskGuard) -> None:
     lease = pg_guard.acquire("k", 300)
     assert lease is not None
-    run = ActiveRun(pg_guard, "k", lease, request=None)
+    run = Hold(pg_guard, "k", lease, request=None)
     for _ in range(500):  # a short task each, far quicker than its ttl/3
-        Heartbeat(run, None, "tid").start().stop()
-    assert renewal._renewer().scheduled() == 0
-    assert len(renewal._renewer()._heap) <= 64
+        (run.start_renewing(), run.stop_renewing())
+    assert holding.renewing() == 0
+    assert not holding._RENEWER.holds
 
 
 def test_short_runs_do_not_wake_the_renewer(
@@ -168,28 +160,29 @@ def test_short_runs_do_not_wake_the_renewer(
     # the run side; a run far shorter than ttl/3 must leave the thread asleep.
     lease = pg_guard.acquire("k", 300)
     assert lease is not None
-    run = ActiveRun(pg_guard, "k", lease, request=None)
-    Heartbeat(run, None, "tid").start().stop()  # the thread exists from here on
+    run = Hold(pg_guard, "k", lease, request=None)
+    (run.start_renewing(), run.stop_renewing())  # the thread exists from here on
     time.sleep(0.05)
-    renewer = renewal._renewer()
+    renewer = holding._RENEWER
     cond = renewer._cond
     wakes: list[int] = []
     real_notify = cond.notify
     monkeypatch.setattr(cond, "notify", lambda n=1: (wakes.append(n), real_notify(n)))
     for _ in range(50):
-        Heartbeat(run, None, "tid").start().stop()
+        (run.start_renewing(), run.stop_renewing())
         time.sleep(0.002)  # as between tasks: the thread could run here
     assert wakes == []
     # A run due before the thread's next look is still renewed on time.
     short_lease = pg_guard.acquire("k2", 0.3)
     assert short_lease is not None
     first_expiry = short_lease.expires_at
-    beat = Heartbeat(ActiveRun(pg_guard, "k2", short_lease, request=None), None, "t").start()
+    beat = Hold(pg_guard, "k2", short_lease, request=None)
+    beat.start_renewing()
     try:
         time.sleep(0.25)
         assert short_lease.expires_at > first_expiry
     finally:
-        beat.stop()
+        beat.stop_renewing()
 
 
 def test_the_lease_runs_out_by_the_local_clock_without_the_renewer() -> None:
@@ -198,11 +191,11 @@ def test_the_lease_runs_out_by_the_local_clock_without_the_renewer() -> None:
     (here: none at all) is doing."""
     now = datetime.now(timezone.utc)
     lease = Lease("k", "o", 1, now, now + timedelta(seconds=1), 1.0, confirmed_at=time.monotonic())
-    run = ActiveRun(None, "k", lease, request=None)  # type: ignore[arg-type]
+    run = Hold(None, "k", lease, request=None)  # type: ignore[arg-type]
     token = enter_run(run)
     try:
         assert check_lease() is lease and current_lease() is lease
-        time.sleep(1.0 - renewal.MARGIN + 0.05)
+        time.sleep(1.0 - holding.MARGIN + 0.05)
         with pytest.raises(LeaseLost, match="ran out by this host's clock"):
             check_lease()
         with pytest.raises(LeaseLost):

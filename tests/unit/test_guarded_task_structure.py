@@ -21,8 +21,8 @@ from taskguard import GuardedTask, LeaseLost, TaskGuard, guarded_task, signals
 from taskguard.celery import completions, task
 from taskguard.celery.header import MAX_STORED_ID, is_shortened, stored_task_id
 from taskguard.celery.options import ATTR_PREFIX, OPTION_NAMES, option_defaults
-from taskguard.celery.renewal import Interrupter
 from taskguard.config import reset_guards
+from taskguard.holding import Interrupter
 
 PACKAGE = Path(__file__).resolve().parents[2] / "taskguard"
 

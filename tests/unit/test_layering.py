@@ -30,7 +30,7 @@ CELERY_LAYERS = (
     # the message: what it carries (and task ids as stored), the markers
     ("header", "results"),
     # the held lease: taking and giving back, its clock, renewal and loss, finished records
-    ("leasing", "renewal", "completions"),
+    ("leasing", "completions"),
     # deferred runs: countdowns, re-published copies, outages
     ("deferral",),
     # behaviours: conflict strategies, the queue phase (and leases handed over in a

@@ -24,13 +24,13 @@ from typing import Any
 
 from django.utils import timezone
 
-from taskguard.celery.renewal import ActiveRun, Heartbeat, enter_run, exit_run
 from taskguard.celery.results import MARKER, skipped_result
 from taskguard.config import guard_for, setting
 from taskguard.contrib.django import conf
 from taskguard.contrib.django_tasks.framework import task_finished, task_started
 from taskguard.exceptions import AlreadyLocked, ConfigurationError, TaskGuardError
 from taskguard.guard import TaskGuard
+from taskguard.holding import Hold, enter_run, exit_run
 from taskguard.keys import KeyDeriver, KeyOption, validate_limit, validate_ttl
 from taskguard.lease import Lease, LockInfo
 
@@ -150,10 +150,9 @@ class _Run:
         self.key = spec.key(args, kwargs)
         self.guard = project_guard()
         self.outcome: Any = None
-        self.active: ActiveRun | None = None
-        self._beat: Heartbeat | None = None
+        self.active: Hold | None = None
 
-    def begin(self) -> ActiveRun | None:
+    def begin(self) -> Hold | None:
         """Take the lease: the run to enter, or ``None`` when the body must not run
         (then ``outcome`` is what the task returns)."""
         spec, guard, ttl = self.spec, self.guard, self.spec.lease_ttl()
@@ -171,7 +170,7 @@ class _Run:
             if lease is not None:
                 guard.release(lease)
             # The queue lease ends when the run starts; the run holds none.
-            self.active = ActiveRun(guard, self.key, None, None)
+            self.active = Hold(guard, self.key, None, None)
             return self.active
         if lease is None:
             wait = None
@@ -189,8 +188,9 @@ class _Run:
             if lease is None:
                 self.outcome = self._conflict(holder)
                 return None
-        self.active = ActiveRun(guard, self.key, lease, None)
-        self._beat = Heartbeat(self.active, None, self.task_id).start()
+        self.active = Hold(guard, self.key, lease, None)
+        self.active.task_id = self.task_id
+        self.active.start_renewing()
         return self.active
 
     def _adopt(self, ttl: float) -> Lease | None:
@@ -259,8 +259,8 @@ class _Run:
     def end(self) -> None:
         if self.active is None or self.active.lease is None:
             return
-        assert self._beat is not None
-        self._beat.stop()
+        assert self.active is not None
+        self.active.stop_renewing()
         if not self.guard.release(self.active.lease):
             log.warning(
                 "task %s: lease on %r had expired or been taken over at release",
