@@ -146,18 +146,9 @@ class TaskGuard(AsyncLeases):
           release where the database can, polling elsewhere; the longest waiter
           goes first). Without it, ``acquire`` never blocks.
         """
-        return self.try_acquire(
-            key,
-            ttl,
-            task_name=task_name,
-            task_id=task_id,
-            hostname=hostname,
-            pid=pid,
-            slot=slot,
-            limit=limit,
-            min_hold=min_hold,
-            wait=wait,
-        ).lease
+        return self._attempt(
+            key, ttl, task_name, task_id, hostname, pid, slot, limit, min_hold, wait
+        )[0]
 
     def try_acquire(
         self,
@@ -183,6 +174,24 @@ class TaskGuard(AsyncLeases):
         :meth:`release` (checked by the acquire statement itself where the dialect
         can); the holder is then K's row if ``key`` itself is free.
         ``record_refusal=False``: a refusal is logged, not recorded in the history."""
+        details = (task_name, task_id, hostname, pid, slot, limit, min_hold, wait)
+        return self._attempt(key, ttl, *details, unless, record_refusal)
+
+    def _attempt(
+        self,
+        key: str,
+        ttl: float | timedelta,
+        task_name: str | None,
+        task_id: str | None,
+        hostname: str | None,
+        pid: int | None,
+        slot: int,
+        limit: int,
+        min_hold: float | timedelta | None,
+        wait: float | timedelta | None,
+        unless: str | None = None,
+        record_refusal: bool = True,
+    ) -> Attempt:
         key = normalize_key(key)
         if unless is not None:
             unless = normalize_key(unless)
@@ -192,6 +201,8 @@ class TaskGuard(AsyncLeases):
         if limit == 1 and min_hold is None and wait is None and type(limit) is int:
             values = store.grant_values(key, slot, new_owner(), seconds, holder, 1, unless)
             lease, seen = store.grant_seeing(values, seconds)
+            if lease is not None and not self.history:
+                return Attempt(lease, None)
             return self._outcome(lease, values, holder, None, seen, record_refusal)
         n = validate_limit(limit, slot)
         hold = optional_seconds(min_hold, "min_hold")

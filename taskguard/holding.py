@@ -176,6 +176,8 @@ class Hold:
             with call_limit(min(cut_at, self.valid_until) - sent):
                 ok = self.guard.renew(lease)
         except Exception as exc:  # any failure: we cannot know we still hold it
+            if self not in _RENEWER.holds:
+                return None  # stopped meanwhile: its release follows
             left = self.valid_until - time.monotonic()
             if left <= 0:
                 self._lose(f"{RAN_OUT}; renewal failed ({exc})")

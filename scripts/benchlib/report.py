@@ -234,7 +234,8 @@ def format_table(rows: Sequence[Row]) -> str:
         if r.status != "ok":
             lines.append(f"| {r.section} | {r.label} | {r.status} | | | | {vs} | {r.note} |")
             continue
-        rate = f"{_num(r.rate, 1 if r.rate is not None and r.rate < 100 else 0)} {r.unit}"
+        digits = 2 if r.unit == "x" else 1 if r.rate is not None and r.rate < 100 else 0
+        rate = f"{_num(r.rate, digits)} {r.unit}"
         lines.append(
             f"| {r.section} | {r.label} | {rate} | {_num(r.p50_ms, 3)} | {_num(r.p99_ms, 3)} "
             f"| {_num(r.ratio, 2)} | {vs} | {r.note} |"
