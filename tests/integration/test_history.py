@@ -162,11 +162,11 @@ def test_history_off_records_nothing_and_adds_no_statement(guard: TaskGuard) -> 
     sent: list[str] = []
     run = guard._store._db.run
 
-    def counted(stmt: Any, values: dict[str, Any]) -> Any:
+    def counted(stmt: Any, values: dict[str, Any], deadline: float | None = None) -> Any:
         sent.append(stmt.sql)
-        return run(stmt, values)
+        return run(stmt, values, deadline)
 
-    guard._store._db.run = counted  # type: ignore[method-assign]
+    guard._store._db.run = guard._store.run = counted  # type: ignore[method-assign]
     lease = guard.acquire(KEY, 30)
     assert lease is not None and guard.renew(lease) and guard.release(lease)
     assert len(sent) == 3

@@ -32,11 +32,11 @@ def _counting(guard: TaskGuard) -> list[str]:
     sent: list[str] = []
     run = guard._store._db.run
 
-    def counted(stmt: Any, values: dict[str, Any]) -> Any:
+    def counted(stmt: Any, values: dict[str, Any], deadline: float | None = None) -> Any:
         sent.append(stmt.sql.split()[0])
-        return run(stmt, values)
+        return run(stmt, values, deadline)
 
-    guard._store._db.run = counted  # type: ignore[method-assign]
+    guard._store._db.run = guard._store.run = counted  # type: ignore[method-assign]
     return sent
 
 

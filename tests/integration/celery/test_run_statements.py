@@ -32,11 +32,11 @@ def _deliver(task: Any, header: dict[str, Any], task_id: str) -> list[str]:
     run = store._db.run
     sent: list[str] = []
 
-    def counted(stmt: Any, values: Any) -> Any:
+    def counted(stmt: Any, values: Any, deadline: float | None = None) -> Any:
         sent.append(stmt.sql)
-        return run(stmt, values)
+        return run(stmt, values, deadline)
 
-    store._db.run = counted
+    store._db.run = store.run = counted
     task.push_request(
         id=task_id,
         is_eager=False,
@@ -50,6 +50,7 @@ def _deliver(task: Any, header: dict[str, Any], task_id: str) -> list[str]:
     finally:
         task.pop_request()
         del store._db.run
+        store.run = store._db.run
     return sent
 
 
