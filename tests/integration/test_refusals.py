@@ -35,11 +35,11 @@ def _counting(guard: TaskGuard) -> list[str]:
     run = guard._store._db.run
     names = statement_names(guard)
 
-    def counted(stmt: Any, values: dict[str, Any]) -> Any:
+    def counted(stmt: Any, values: dict[str, Any], deadline: float | None = None) -> Any:
         sent.append(names.get(id(stmt), stmt.sql.split()[0].upper()))
-        return run(stmt, values)
+        return run(stmt, values, deadline)
 
-    guard._store._db.run = counted  # type: ignore[method-assign]
+    guard._store._db.run = guard._store.run = counted  # type: ignore[method-assign]
     return sent
 
 
@@ -213,13 +213,9 @@ def test_the_acquire_plan_is_index_lookups_even_when_made_on_a_small_table(
         pg_guard.acquire(f"small:{i}", 30)
     stmt = getattr(pg_guard._store._sql, field)
     assert stmt is not None
-    names: list[str] = []
-
-    def number(match: re.Match[str]) -> str:
-        names.append(match.group(1))
-        return f"${len(names)}"
-
-    numbered = re.sub(r"%\((\w+)\)s", number, stmt.sql)
+    names = list(stmt.positional_names or ())  # the statement takes them by position
+    positions = iter(range(1, len(names) + 1))
+    numbered = re.sub(r"%s", lambda _m: f"${next(positions)}", stmt.sql).replace("%%", "%")
     sample = {"key": "'k'", "slot": "0", "owner": "'o'", "ttl": "60", "pid": "1", "unless": "'u'"}
     args = ", ".join(sample.get(name, "NULL") for name in names)
     libpq = make_url(pg_url).set(drivername="postgresql").render_as_string(hide_password=False)
