@@ -4,6 +4,7 @@ stays responsive while many coroutines take, renew and release leases."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing as mp
 import statistics
 import threading
 import time
@@ -33,12 +34,48 @@ def test_async_acquire_renew_release(guard: TaskGuard) -> None:
     asyncio.run(scenario())
 
 
+def test_a_waiting_acquire_holds_up_no_other_call(pg_guard: TaskGuard) -> None:
+    """``wait=`` blocks a thread for its whole wait: never one the other calls need."""
+    guard = pg_guard
+    held = [guard.acquire(f"w:{n}", 30) for n in range(3)]
+
+    async def scenario() -> float:
+        waiters = [asyncio.create_task(guard.aacquire(f"w:{n}", 30, wait=2)) for n in range(3)]
+        await asyncio.sleep(0.2)  # all three waiting
+        started = time.monotonic()
+        async with guard.alock("w:free", 30):
+            pass
+        took = time.monotonic() - started
+        assert await asyncio.gather(*waiters) == [None, None, None]
+        return took
+
+    assert asyncio.run(scenario()) < 1.0
+    assert all(lease is not None and guard.release(lease) for lease in held)
+
+
+def _take_and_release(guard: TaskGuard) -> None:
+    lease = asyncio.run(asyncio.wait_for(guard.aacquire("fork:child", 30), 10))
+    assert lease is not None and asyncio.run(guard.arelease(lease))
+
+
+def test_async_calls_in_a_forked_child(pg_guard: TaskGuard) -> None:
+    """A child forked after its parent's async calls makes its own (no thread of the
+    parent's survives the fork)."""
+    lease = asyncio.run(pg_guard.aacquire("fork:parent", 30))
+    assert lease is not None and asyncio.run(pg_guard.arelease(lease))
+    child = mp.get_context("fork").Process(target=_take_and_release, args=(pg_guard,))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+
+
 @pytest.mark.postgres
 def test_event_loop_lag_with_100_coroutines(pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """100 coroutines on their own keys take, renew and release leases while a 1 ms
-    ticker runs: no statement runs on the event loop's thread, and the ticker keeps
-    ticking. The lag itself (target p99 <= 5 ms on a quiet machine) is printed, not
-    asserted: a timing bound would fail on a loaded CI machine."""
+    """100 coroutines on their own keys take, renew and release leases (10 rounds, about
+    1,000 ticks: p99 is not just the worst few) while a 1 ms ticker runs: no statement
+    runs on the event loop's thread, and the ticker's lag is printed. Its target, p99
+    <= 5 ms on a quiet machine, is not the bound: that is generous for a loaded CI
+    machine (4 pytest workers on 2 cores)."""
     guard = TaskGuard(pg_url, pool_size=10, max_overflow=0)
     lags: list[float] = []
     callers: set[int] = set()
@@ -58,7 +95,7 @@ def test_event_loop_lag_with_100_coroutines(pg_url: str, monkeypatch: pytest.Mon
             lags.append(time.perf_counter() - before - 0.001)
 
     async def worker(n: int) -> None:
-        for _ in range(3):
+        for _ in range(10):
             lease = await guard.aacquire(f"lag:{n}", 30)
             assert lease is not None
             assert await guard.arenew(lease)
@@ -81,4 +118,4 @@ def test_event_loop_lag_with_100_coroutines(pg_url: str, monkeypatch: pytest.Mon
         f"{statistics.median(lags) * 1000:.2f} ms, p99 {p99:.2f} ms"
     )
     assert callers and threading.get_ident() not in callers  # asyncio.run's loop: this thread
-    assert len(lags) > 20
+    assert len(lags) > 100 and p99 < 50
