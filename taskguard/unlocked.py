@@ -87,6 +87,14 @@ class NoLockGuard:
         """Granted at once; nobody is ever in the way."""
         return Attempt(self._lease(key, ttl), None)
 
+    def take(self, key: str, seconds: float, *_: Any, **__: Any) -> Attempt:
+        """Granted at once (an integration's run)."""
+        return Attempt(self._lease(key, seconds), None)
+
+    def give_back(self, lease: Lease, *_: Any) -> bool:
+        """Nothing to give back."""
+        return True
+
     def adopt(self, key: str, owner: str, ttl: float | timedelta, **kw: Any) -> Lease:
         """The handed-over lease, always still held."""
         return self._lease(key, ttl, int(kw.get("slot", 0)), owner)
