@@ -4,12 +4,11 @@ For users: docs/options.md (keys, lock phases, conflict strategies, TTL and rene
 settings) and docs/behaviour.md (retries, eager mode, fencing tokens, signals).
 """
 
-from taskguard.celery import startup as _startup  # noqa: F401  (connects the start-up check)
+from taskguard.celery.message import MARKER, SKIPPED, is_skipped, skipped_result
 from taskguard.celery.options import CONFLICT_STRATEGIES, LOCK_PHASES
 from taskguard.celery.pending import is_coalesced
-from taskguard.celery.results import MARKER, SKIPPED, is_skipped, skipped_result
 from taskguard.celery.task import GuardedTask, guarded_task
-from taskguard.celery.worker import GuardedRequest
+from taskguard.celery.worker import GuardedRequest  # and connects the worker's hooks
 from taskguard.holding import check_lease, current_lease
 from taskguard.keys import KeyDeriver, args_digest, canonical
 

@@ -3,28 +3,36 @@
 Each :class:`Strategy` says which lock phases and options it accepts (checked once,
 when the task is declared), what it does when the key is held at enqueue (a queue
 phase: ``lock="queue"``/``"queue_and_run"``) and when it is held as a worker starts
-the run. The core paths (:mod:`taskguard.celery.enqueue`,
-:mod:`taskguard.celery.running`) ask the task's strategy (``options.strategy``) and
-never compare names: a new strategy is one class here, registered in
-:data:`STRATEGIES`.
+the run. The core paths (:meth:`GuardedTask.apply_async
+<taskguard.celery.task.GuardedTask.apply_async>`, :mod:`taskguard.celery.running`)
+call the task's strategy (``options.strategy``) through its two entries,
+:meth:`~Strategy.held_at_enqueue` and :meth:`~Strategy.held_at_run`, and never
+compare names: a new strategy is one class here, registered in :data:`STRATEGIES`.
 
 Every conflict is logged with the key and its holder and sent as
-:data:`taskguard.signals.lock_conflict` with the action taken. Another delivery of
-the very message holding the key (a broker redelivery) is always retried,
-whatever the strategy (:meth:`Run.conflict <taskguard.celery.running.Run.conflict>`).
+:data:`taskguard.signals.lock_conflict` with the action taken (by the entry).
+Another delivery of the very message holding the key (a broker redelivery) is
+always retried, whatever the strategy (:meth:`Run.conflict
+<taskguard.celery.running.Run.conflict>`).
+
+Inside a canvas (a chord or group member, a chain link, a task with link
+callbacks) a skipped member is still published, carrying its skipped marker (see
+:meth:`Submission.answer <taskguard.celery.message.Submission.answer>`);
+``"existing"`` has no result to hand a canvas and behaves as ``"skip"``;
+``"raise"`` raises :class:`AlreadyLocked` from ``apply_async`` (the canvas fails at
+once); ``"retry"`` publishes the member deferred, as outside a canvas.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from taskguard import signals
 from taskguard.celery.deferral import conflict_countdown
-from taskguard.celery.header import HEADER, Header, is_shortened
 from taskguard.celery.leasing import describe_holder
-from taskguard.celery.results import answered, in_canvas, skipped_result
+from taskguard.celery.message import Header, Submission, in_canvas, is_shortened, skipped_result
 from taskguard.exceptions import AlreadyLocked, ConfigurationError
 from taskguard.lease import LockInfo
 
@@ -32,14 +40,14 @@ __all__ = ["RETRY", "SKIP", "STRATEGIES", "Strategy", "check_options", "strategy
 
 log = logging.getLogger("taskguard.celery")
 
-#: ``send(args, kwargs, task_id, headers, options)``: Celery's own apply_async.
-Send = Callable[[Any, Any, Any, dict[str, Any], dict[str, Any]], Any]
-
 
 class Strategy:
     """One ``on_conflict`` value (the base class is ``"skip"``)."""
 
     name: ClassVar[str] = "skip"
+    #: What a conflict in the run does, as :data:`~taskguard.signals.lock_conflict`
+    #: reports it: the base's :meth:`at_run` skips (also for existing, wait, coalesce).
+    run_action: ClassVar[str] = "skip"
     #: The lock phases it works with, and why it needs them.
     locks: ClassVar[tuple[str, ...]] = ("run", "queue", "queue_and_run")
     needs: ClassVar[str] = ""
@@ -56,25 +64,41 @@ class Strategy:
         if values["lock"] not in self.locks:
             raise ConfigurationError(f"task {task}: on_conflict={self.name!r} {self.needs}")
 
-    def at_enqueue(
-        self,
-        task: Any,
-        send: Send,
-        key: str,
-        holder: LockInfo | None,
-        task_id: str,
-        call: tuple[Any, Any, dict[str, Any], dict[str, Any]],
-    ) -> Any:
-        """The key is held when a queue phase publishes: return what ``apply_async``
-        returns. ``call``: (args, kwargs, headers, options) of the publish."""
-        signals.lock_conflict.send(sender=task, key=key, holder=holder, action=self.name)
-        return _skip_at_enqueue(task, send, key, holder, task_id, call)
+    def held_at_enqueue(self, sub: Submission, holder: LockInfo | None) -> Any:
+        """The entry at enqueue: the key is held when a queue phase publishes ``sub``;
+        the conflict is sent, then the strategy acts (:meth:`at_enqueue`)."""
+        signals.lock_conflict.send(sender=sub.task, key=sub.key, holder=holder, action=self.name)
+        return self.at_enqueue(sub, holder)
+
+    def held_at_run(self, run: Any, holder: LockInfo | None, waited: float | None) -> Any:
+        """The entry in the worker: the key is held as ``run`` (a
+        :class:`~taskguard.celery.running.Run`) starts, ``waited`` seconds after it
+        began waiting (``on_conflict="wait"``); the conflict is sent, then the
+        strategy acts (:meth:`at_run`)."""
+        signals.lock_conflict.send(
+            sender=run.task, key=run.key, holder=holder, action=self.run_action
+        )
+        return self.at_run(run, holder, waited)
+
+    def at_enqueue(self, sub: Submission, holder: LockInfo | None) -> Any:
+        """Return what ``apply_async`` returns (skip: the skipped marker)."""
+        task, task_id, key = sub.task, sub.task_id, sub.key
+        value = skipped_result(
+            task=task.name, task_id=task_id, key=key, phase="queue", holder=holder
+        )
+        log.warning(
+            "skipped %s[%s]: lock %r is held by %s%s",
+            task.name,
+            task_id,
+            key,
+            describe_holder(holder),
+            "; publishing its skipped marker for the canvas" if in_canvas(sub.options) else "",
+        )
+        return sub.answer(value)
 
     def at_run(self, run: Any, holder: LockInfo | None, waited: float | None) -> Any:
-        """The key is held as the worker starts ``run`` (a
-        :class:`~taskguard.celery.running.Run`): return the run's result, or raise."""
+        """Return the run's result, or raise (skip: the skipped marker)."""
         task, request, key = run.task, run.request, run.key
-        signals.lock_conflict.send(sender=task, key=key, holder=holder, action="skip")
         log.warning(
             "skipped %s[%s]%s: lock %r is held by %s",
             task.name,
@@ -91,22 +115,12 @@ class Strategy:
 class Raise(Strategy):
     """Raise :class:`~taskguard.AlreadyLocked` (from ``apply_async``, or in the run)."""
 
-    name = "raise"
+    name = run_action = "raise"
 
-    def at_enqueue(
-        self,
-        task: Any,
-        send: Send,
-        key: str,
-        holder: LockInfo | None,
-        task_id: str,
-        call: tuple[Any, Any, dict[str, Any], dict[str, Any]],
-    ) -> Any:
-        signals.lock_conflict.send(sender=task, key=key, holder=holder, action=self.name)
-        return self._refuse(task, task_id, key, holder)
+    def at_enqueue(self, sub: Submission, holder: LockInfo | None) -> Any:
+        return self._refuse(sub.task, sub.task_id, sub.key, holder)
 
     def at_run(self, run: Any, holder: LockInfo | None, waited: float | None) -> Any:
-        signals.lock_conflict.send(sender=run.task, key=run.key, holder=holder, action=self.name)
         return self._refuse(run.task, run.request.id, run.key, holder)
 
     def _refuse(self, task: Any, task_id: Any, key: str, holder: LockInfo | None) -> Any:
@@ -118,41 +132,30 @@ class Raise(Strategy):
 class Retry(Strategy):
     """Try again later: published with a countdown at enqueue; ``Task.retry`` in the
     run (counted against ``max_retries``). ``retry_countdown``: the countdown
-    (default: until the holder's lease ends, with jitter)."""
+    (default: until the holder's lease ends, with jitter; always that for another
+    delivery of the run's own message)."""
 
-    name = "retry"
+    name = run_action = "retry"
     options = ("retry_countdown",)
 
-    def at_enqueue(
-        self,
-        task: Any,
-        send: Send,
-        key: str,
-        holder: LockInfo | None,
-        task_id: str,
-        call: tuple[Any, Any, dict[str, Any], dict[str, Any]],
-    ) -> Any:
-        args, kwargs, headers, options = call
-        signals.lock_conflict.send(sender=task, key=key, holder=holder, action=self.name)
+    def at_enqueue(self, sub: Submission, holder: LockInfo | None) -> Any:
+        task, key = sub.task, sub.key
         countdown = conflict_countdown(task.taskguard_options.retry_countdown, holder)
         log.warning(
             "deferring %s[%s] by %.1fs: lock %r is held by %s",
             task.name,
-            task_id,
+            sub.task_id,
             countdown,
             key,
             describe_holder(holder),
         )
-        headers[HEADER] = Header(key, deferred=True).to_message()
-        options.pop("eta", None)
-        options["countdown"] = countdown
-        return send(args, kwargs, task_id, headers, options)
+        sub.options.pop("eta", None)
+        sub.options["countdown"] = countdown
+        return sub.publish(Header(key, deferred=True))
 
-    def at_run(
-        self, run: Any, holder: LockInfo | None, waited: float | None, *, own: bool = False
-    ) -> Any:
+    def at_run(self, run: Any, holder: LockInfo | None, waited: float | None) -> Any:
         task, request, key, opts = run.task, run.request, run.key, run.opts
-        signals.lock_conflict.send(sender=task, key=key, holder=holder, action=self.name)
+        own = run.owns(holder)
         countdown = conflict_countdown(None if own else opts.retry_countdown, holder)
         if not opts.locks_run:  # lock="queue": the retry is checked again, like a deferral
             run.deferred = True
@@ -179,29 +182,24 @@ class Existing(Strategy):
         "lock='queue_and_run'"
     )
 
-    def at_enqueue(
-        self,
-        task: Any,
-        send: Send,
-        key: str,
-        holder: LockInfo | None,
-        task_id: str,
-        call: tuple[Any, Any, dict[str, Any], dict[str, Any]],
-    ) -> Any:
+    def held_at_enqueue(self, sub: Submission, holder: LockInfo | None) -> Any:
         holder_task = holder.holder.task_id if holder is not None else None
         if holder_task is None or is_shortened(holder_task):
-            # No task to point at (e.g. taken with guard.lock()).
-            return SKIP.at_enqueue(task, send, key, holder, task_id, call)
-        signals.lock_conflict.send(sender=task, key=key, holder=holder, action=self.name)
-        if in_canvas(call[3]):
-            return _skip_at_enqueue(task, send, key, holder, task_id, call)
+            # No task to point at (e.g. taken with guard.lock()): skipped.
+            return SKIP.held_at_enqueue(sub, holder)
+        return super().held_at_enqueue(sub, holder)
+
+    def at_enqueue(self, sub: Submission, holder: LockInfo | None) -> Any:
+        assert holder is not None  # held_at_enqueue: a holder with a task to point at
+        if in_canvas(sub.options):
+            return SKIP.at_enqueue(sub, holder)
         log.warning(
             "not publishing %s: lock %r is held by %s; returning its result",
-            task.name,
-            key,
+            sub.task.name,
+            sub.key,
             describe_holder(holder),
         )
-        return task.AsyncResult(holder_task)
+        return sub.task.AsyncResult(holder.holder.task_id)
 
 
 class Wait(Strategy):
@@ -224,28 +222,6 @@ class Coalesce(Strategy):
     needs = "keeps one run pending while one runs, so it needs lock='run'"
     options = ("coalesce_replace",)
     pending = True
-
-
-def _skip_at_enqueue(
-    task: Any,
-    send: Send,
-    key: str,
-    holder: LockInfo | None,
-    task_id: str,
-    call: tuple[Any, Any, dict[str, Any], dict[str, Any]],
-) -> Any:
-    args, kwargs, headers, options = call
-    value = skipped_result(task=task.name, task_id=task_id, key=key, phase="queue", holder=holder)
-    canvas = in_canvas(options)
-    log.warning(
-        "skipped %s[%s]: lock %r is held by %s%s",
-        task.name,
-        task_id,
-        key,
-        describe_holder(holder),
-        "; publishing its skipped marker for the canvas" if canvas else "",
-    )
-    return answered(task, send, key, task_id, value, args, kwargs, headers, options)
 
 
 SKIP = Strategy()

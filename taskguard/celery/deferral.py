@@ -52,8 +52,8 @@ from typing import Any
 from celery.exceptions import Reject, Retry
 
 from taskguard import signals
-from taskguard.celery.header import HEADER, Header
 from taskguard.celery.leasing import release_when_reachable
+from taskguard.celery.message import HEADER, Header
 from taskguard.config import setting
 from taskguard.exceptions import DatabaseUnavailable, OutcomeUnknown
 from taskguard.keys import validate_ttl

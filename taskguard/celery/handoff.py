@@ -1,7 +1,7 @@
 """The queue phase (``lock="queue"``/``"queue_and_run"``) and leases handed over in a
 message (publisher -> worker, run -> retry).
 
-At enqueue (:func:`publish_holding`) the lease is taken before publishing and
+At enqueue (:func:`publish`) the lease is taken before publishing and
 carried in the message header; a conflict is acted on by the task's
 ``on_conflict`` strategy; a publish that fails gives the lease back. In the worker
 ``lock="queue"`` ends the carried lease as the run starts
@@ -25,23 +25,19 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from celery.utils import uuid
-
 from taskguard import signals
-from taskguard.celery.deferral import publish_delay
-from taskguard.celery.header import HEADER, Header, stored_task_id
 from taskguard.celery.leasing import (
     acquire_or_holder,
-    clamp_ttl,
     held_seconds,
+    publish_carrying,
     release_quietly,
     send_released,
 )
-from taskguard.config import guard_for
+from taskguard.celery.message import Header, Submission, stored_task_id
 from taskguard.guard import TaskGuard
 from taskguard.lease import Lease, LockInfo
 
-__all__ = ["publish_holding", "start_queue_phase", "take_over"]
+__all__ = ["publish", "start_queue_phase", "take_over"]
 
 log = logging.getLogger("taskguard.celery")
 
@@ -111,40 +107,16 @@ def take_over(
     return None, False, None
 
 
-def publish_holding(
-    task: Any,
-    send: Any,
-    key: str,
-    args: Any,
-    kwargs: Any,
-    task_id: Any,
-    headers: dict[str, Any],
-    options: dict[str, Any],
-) -> Any:
+def publish(sub: Submission) -> Any:
     """A queue phase's publish: take the lease (for ``queue_ttl`` plus the countdown),
     publish it in the header; or act on the conflict per ``on_conflict``."""
+    task = sub.task
     opts = task.taskguard_options
-    task_id = task_id or uuid()
-    guard = guard_for(task._get_app())
-    ttl = clamp_ttl(task._queue_ttl() + publish_delay(options))
+    details = {"task_name": task.name, "task_id": stored_task_id(sub.task_id)}
     lease, holder = acquire_or_holder(
-        guard,
-        key,
-        ttl,
-        task_name=task.name,
-        task_id=stored_task_id(task_id),
-        **opts.acquire_options,
+        sub.guard, sub.key, sub.ttl, **details, **opts.acquire_options
     )
     if lease is None:
-        call = (args, kwargs, headers, options)
-        return opts.strategy.at_enqueue(task, send, key, holder, task_id, call)
-    signals.lock_acquired.send(sender=task, key=key, lease=lease)
-    headers[HEADER] = Header(key, lease=lease.to_dict()).to_message()
-    try:
-        return send(args, kwargs, task_id, headers, options)
-    except BaseException:
-        if not task._get_app().conf.task_always_eager:
-            # Nothing was published: the lease must not wait for a worker.
-            released = release_quietly(guard, lease)
-            send_released(task, lease, released, held_seconds(lease))
-        raise
+        return opts.strategy.held_at_enqueue(sub, holder)
+    signals.lock_acquired.send(sender=task, key=sub.key, lease=lease)
+    return publish_carrying(sub, Header(sub.key, lease=lease.to_dict()), lease, announce=True)

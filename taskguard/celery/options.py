@@ -30,7 +30,6 @@ __all__ = [
     "LOCK_PHASES",
     "OPTION_NAMES",
     "GuardOptions",
-    "build_options",
     "check_celery_options",
     "option_defaults",
     "signature_of",
@@ -135,7 +134,7 @@ class GuardOptions:
     #: pending run's arguments (it becomes the pending run) instead of merging into it.
     coalesce_replace: bool = field(default=False, metadata=_checked_by(_flag))
     #: [debounce] Run once, this many seconds after the key's last submission, with
-    #: its arguments (see taskguard.celery.debounce).
+    #: its arguments (see taskguard.celery.pending).
     debounce: float | None = field(default=None, metadata=_checked_by(_seconds))
     #: [debounce] Under a steady stream, still run at least once per this many seconds.
     debounce_max: float | None = field(default=None, metadata=_checked_by(_seconds))
@@ -373,8 +372,3 @@ def _check_combinations(task: str, values: Mapping[str, Any]) -> None:
             f"task {task}: rate= counts starts under the run's lock, so it needs "
             "lock='run' or lock='queue_and_run'"
         )
-
-
-def build_options(task_name: str, signature: inspect.Signature, **raw: Any) -> GuardOptions:
-    """:meth:`GuardOptions.build` (kept for callers of the earlier function)."""
-    return GuardOptions.build(task_name, signature, **raw)

@@ -1,5 +1,5 @@
-"""``on_conflict="coalesce"``: per key at most one running and one pending run of
-the task.
+"""Pending runs: ``on_conflict="coalesce"`` (per key at most one running and one
+pending run of the task) and ``debounce=`` (a coalesced run published late).
 
 The pending run is a lease on the companion key ``<key>#pending:<task name>``, held
 by the pending submission's task id. It is the task's own: a submission only ever
@@ -11,7 +11,7 @@ both still run one at a time under the key's lock.
   lease; if another submission holds it, this one is *merged* into it: nothing is
   published and the caller gets a ``coalesced`` marker naming the pending task id
   (inside a canvas the message is published carrying the marker, see
-  :func:`taskguard.celery.results.answered`).
+  :meth:`Submission.answer <taskguard.celery.message.Submission.answer>`).
   With ``coalesce_replace=True`` the submission ends the pending run's row and
   takes it instead (its arguments are the newest); the replaced message, when it
   arrives, finds the row is not its own and returns the marker without running.
@@ -29,6 +29,20 @@ stored in the database and nothing new must run (no beat job) for it to start.
 The cost is polling: the countdown starts at 0.25 s and doubles per deferral up to
 :data:`MAX_POLL` (never past the holder's expiry), so the pending run starts at
 most about that long after the running one ends; one message per busy key per poll.
+
+``debounce=S`` (with ``debounce_max=T``): one run, S seconds after the last
+submission for the key, with the last submission's arguments; under a steady
+stream of submissions it still runs at least once per T. It is coalesce with
+``coalesce_replace=True`` and a countdown: every submission takes the task's
+pending place from the one before and is published ``S`` seconds late; a message
+that finds the place taken by a newer submission returns the ``coalesced`` marker
+naming it, without running. The cap: the first submission after a run takes
+``<key>#debounce:<task name>`` (the *batch*; its grant time is the batch's start
+by the database clock); a submission's countdown is cut to what is left of ``T``
+since then. Every submission of a batch is thus due by the batch's deadline, so
+the newest one (which holds the pending place) runs by then, with the newest
+arguments; one submitted after the deadline, while the batch has not run yet, is
+due at once. Every run ends the batch (the next submission starts one).
 """
 
 from __future__ import annotations
@@ -38,18 +52,16 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from celery.utils import uuid
-
 from taskguard import signals
-from taskguard.celery.deferral import MAX_POLL, defer, poll_countdown, publish_delay
-from taskguard.celery.header import HEADER, Header, stored_task_id
+from taskguard.celery.deferral import MAX_POLL, defer, poll_countdown
 from taskguard.celery.leasing import (
     acquire_or_holder,
     clamp_ttl,
     lease_from_info,
+    publish_carrying,
     release_quietly,
 )
-from taskguard.celery.results import MARKER, answered, has_marker
+from taskguard.celery.message import MARKER, Header, Submission, has_marker, stored_task_id
 from taskguard.companions import companion_key
 from taskguard.config import guard_for
 from taskguard.exceptions import TaskGuardError
@@ -59,6 +71,7 @@ from taskguard.lease import Lease, LockInfo
 __all__ = [
     "COALESCED",
     "MAX_POLL",
+    "batch_key",
     "carried",
     "claim",
     "coalesced_result",
@@ -67,6 +80,7 @@ __all__ = [
     "merged",
     "pending_key",
     "publish_coalesced",
+    "publish_debounced",
     "record_merge",
     "started",
     "take_place",
@@ -88,6 +102,12 @@ _REPLACEMENT_WAIT = 2.0
 def pending_key(key: str, task_name: str) -> str:
     """The companion key whose row names the pending run of task ``task_name`` on ``key``."""
     return companion_key(key, "pending", task_name)
+
+
+def batch_key(key: str, task_name: str) -> str:
+    """The companion key whose row marks the start of the task's current debounce
+    batch on ``key``."""
+    return companion_key(key, "debounce", task_name)
 
 
 def coalesced_result(
@@ -114,40 +134,54 @@ def is_coalesced(value: object) -> bool:
 # -- enqueue ------------------------------------------------------------------------------
 
 
-def publish_coalesced(
-    task: Any,
-    send: Any,
-    key: str,
-    args: Any,
-    kwargs: Any,
-    task_id: Any,
-    headers: dict[str, Any],
-    options: dict[str, Any],
-) -> Any:
+def publish_coalesced(sub: Submission) -> Any:
     """Publish as the key's pending run, or merge into the one there is."""
-    opts = task.taskguard_options
-    task_id = task_id or uuid()
-    guard = guard_for(task._get_app())
-    ttl = clamp_ttl(task._queue_ttl() + publish_delay(options))
-    lease, holder = take_place(task, guard, key, task_id, ttl, replace=opts.coalesce_replace)
+    replace = sub.task.taskguard_options.coalesce_replace
+    lease, holder = take_place(sub, sub.ttl, replace=replace)
     if lease is None and holder is not None:
-        return merged(task, send, key, task_id, holder, args, kwargs, headers, options)
+        return merged(sub, holder)
+    header = Header(sub.key, pending=lease.to_dict() if lease is not None else None)
+    return publish_carrying(sub, header, lease)
+
+
+def publish_debounced(sub: Submission) -> Any:
+    """Publish ``debounce`` seconds late as the key's pending run (replacing the one
+    there is), or earlier when the batch's ``debounce_max`` ends sooner."""
+    task, key = sub.task, sub.key
+    opts = task.taskguard_options
+    queue_ttl = task._queue_ttl()
+    countdown = float(opts.debounce)
+    batch_dict = None
+    if opts.debounce_max is not None:
+        cap = float(opts.debounce_max)
+        details = {"task_name": task.name, "task_id": stored_task_id(sub.task_id)}
+        batch, info = acquire_or_holder(
+            sub.guard, batch_key(key, task.name), clamp_ttl(cap + queue_ttl), **details
+        )
+        left = cap
+        if batch is None and info is not None:
+            deadline = info.acquired_at + timedelta(seconds=cap)
+            left = (deadline - info.read_at).total_seconds()
+            batch = lease_from_info(info)
+        countdown = max(0.0, min(countdown, left))
+        if batch is not None:
+            batch_dict = {"batch": batch.to_dict()}
+    lease, holder = take_place(sub, clamp_ttl(countdown + queue_ttl), replace=True)
+    if lease is None and holder is not None:  # lost three races to newer submissions
+        return merged(sub, holder)
+    sub.options.pop("eta", None)
+    sub.options["countdown"] = countdown
     pending = lease.to_dict() if lease is not None else None
-    headers[HEADER] = Header(key, pending=pending).to_message()
-    try:
-        return send(args, kwargs, task_id, headers, options)
-    except BaseException:
-        if lease is not None and not task._get_app().conf.task_always_eager:
-            release_quietly(guard, lease)  # nothing was published: free the pending place
-        raise
+    return publish_carrying(sub, Header(key, pending=pending, debounce=batch_dict), lease)
 
 
 def take_place(
-    task: Any, guard: TaskGuard, key: str, task_id: str, ttl: float, *, replace: bool
+    sub: Submission, ttl: float, *, replace: bool
 ) -> tuple[Lease | None, LockInfo | None]:
-    """Become ``key``'s pending run: ``(lease, None)``; or ``(None, holder)`` naming
+    """Become the key's pending run: ``(lease, None)``; or ``(None, holder)`` naming
     the pending run there is. ``replace``: end that run's place (released by its
     owner id, so a concurrent replacement is never undone) and take it."""
+    task, guard, key, task_id = sub.task, sub.guard, sub.key, sub.task_id
     details = {"task_name": task.name, "task_id": stored_task_id(task_id)}
     pkey = pending_key(key, task.name)
     lease, holder = acquire_or_holder(guard, pkey, ttl, **details)
@@ -166,27 +200,18 @@ def take_place(
     return lease, holder
 
 
-def merged(
-    task: Any,
-    send: Any,
-    key: str,
-    task_id: str,
-    holder: LockInfo,
-    args: Any,
-    kwargs: Any,
-    headers: dict[str, Any],
-    options: dict[str, Any],
-) -> Any:
+def merged(sub: Submission, holder: LockInfo) -> Any:
     """Merge a submission into the pending run ``holder`` names: the ``coalesced``
     marker, in an EagerResult (stored in the result backend too), or published for
     the worker to return when the submission is part of a canvas."""
+    task, key, task_id = sub.task, sub.key, sub.task_id
     into = holder.holder.task_id
     log.info("merged %s[%s] into pending run %s of key %r", task.name, task_id, into, key)
-    record_merge(guard_for(task._get_app()), task, key, task_id, into)
+    record_merge(sub.guard, task, key, task_id, into)
     signals.lock_conflict.send(sender=task, key=key, holder=holder, action="coalesce")
     signals.run_coalesced.send(sender=task, key=key, task_id=task_id, into=into, replaced=False)
     value = coalesced_result(task=task.name, task_id=task_id, key=key, into=into, phase="queue")
-    return answered(task, send, key, task_id, value, args, kwargs, headers, options)
+    return sub.answer(value)
 
 
 def record_merge(guard: TaskGuard, task: Any, key: str, task_id: str, into: str | None) -> None:
@@ -276,10 +301,19 @@ def carried(header: Header, lease: Lease | None) -> dict[str, Any]:
     return {"debounce": header.debounce, "pending": lease.to_dict() if lease else None}
 
 
-def started(guard: TaskGuard, lease: Lease | None) -> None:
-    """The pending run has the key: the next submission becomes the pending one."""
+def started(guard: TaskGuard, lease: Lease | None, header: Header) -> None:
+    """The pending run has the key: the next submission becomes the pending one; a
+    debounced run's batch ends (the next submission starts one)."""
     if lease is not None:
         release_quietly(guard, lease)
+    value = header.debounce
+    if value is None or not isinstance(value.get("batch"), dict):
+        return
+    try:
+        batch = Lease.from_dict(value["batch"])
+    except (KeyError, TypeError, ValueError):
+        return
+    release_quietly(guard, batch)  # by owner: a newer batch is never ended
 
 
 def wait_for_key(

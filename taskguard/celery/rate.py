@@ -21,11 +21,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from taskguard import signals
 from taskguard.celery.conflicts import Strategy
 from taskguard.celery.deferral import defer, poll_countdown
-from taskguard.celery.header import stored_task_id
 from taskguard.celery.leasing import acquire_or_holder, describe_holder, release_quietly
+from taskguard.celery.message import stored_task_id
 from taskguard.companions import companion_key
 from taskguard.exceptions import ConfigurationError
 from taskguard.guard import TaskGuard
@@ -124,11 +123,10 @@ class _WaitTurn(Strategy):
     its turn (published again, polling like a pending run: never dropped, as a start
     over the rate is not). Chosen by the options, not an ``on_conflict`` value."""
 
-    name = "defer"
+    name = run_action = "defer"
 
     def at_run(self, run: Any, holder: LockInfo | None, waited: float | None) -> Any:
         task, request, key = run.task, run.request, run.key
-        signals.lock_conflict.send(sender=task, key=key, holder=holder, action=self.name)
         described = describe_holder(holder)
         log.info("%s[%s] waits: lock %r is held by %s", task.name, request.id, key, described)
         polls = run.header.polls

@@ -10,7 +10,7 @@ lease is renewed, and finishes: the lease is released in a ``finally`` so every
 way out (return, exception, Reject, Ignore, soft time limit) gives it back exactly
 once, with the finished record in the same statement; a ``retry()`` hands it to
 the retry message instead. A copy of a task id that already finished is dropped
-(see :mod:`taskguard.celery.completions`). An outage before the body started puts
+(see :mod:`taskguard.celery.leasing`). An outage before the body started puts
 the run off (:mod:`taskguard.celery.deferral`).
 """
 
@@ -22,12 +22,20 @@ import time
 from typing import Any
 
 from taskguard import signals
-from taskguard.celery import completions, debounce, deferral, handoff, pending, rate
+from taskguard.celery import deferral, handoff, pending, rate
 from taskguard.celery.conflicts import RETRY
 from taskguard.celery.deferral import defer
-from taskguard.celery.header import Header, stored_task_id
-from taskguard.celery.leasing import release_quietly, send_released
-from taskguard.celery.results import is_marker
+from taskguard.celery.leasing import (
+    acquire_or_holder,
+    drop_late_copy,
+    finished_key,
+    is_finished,
+    outcome_is_final,
+    record_finished,
+    release_quietly,
+    send_released,
+)
+from taskguard.celery.message import Header, is_marker, stored_task_id
 from taskguard.config import guard_for, setting
 from taskguard.exceptions import DatabaseUnavailable
 from taskguard.holding import Hold, Interrupter, enter_run, exit_run, valid_until
@@ -89,14 +97,14 @@ class Run(Hold):
         self.holder = Holder(self.task.name, tid, request.hostname, os.getpid())
         if self.retention > 0 and not request.is_eager:
             # This run's finished record: refuses the acquire, then rides on the release.
-            self.done = completions.finished_key(tid)
+            self.done = finished_key(tid)
         if not self.opts.locks_run:
             return self._queue_phase()
         if self.opts.plain and header.lease is None:
             # The common case: one acquire, nothing to adopt, no pending place or rate.
             attempt = self.guard.take(self.key, self.ttl, self.holder, self.done)
             if attempt.lease is None:
-                return self._refused(attempt.lease, attempt.holder, None, None)
+                return self._refused(attempt.holder, None, None)
             self._hold(attempt.lease, taken=True)
             return self._body()
         return self._acquire()
@@ -109,8 +117,8 @@ class Run(Hold):
         )
         # A delivery that ended the queued lease is the first of its message to
         # start: none before it ran, so there is no finished record to read.
-        if self.done is not None and not first and completions.is_finished(self.guard, request.id):
-            completions.drop_late_copy(task, request, key)
+        if self.done is not None and not first and is_finished(self.guard, request.id):
+            drop_late_copy(task, request, key)
         if blocked:
             return self.conflict(holder)
         return self._body()
@@ -130,8 +138,8 @@ class Run(Hold):
             lease, blocked, holder = handoff.take_over(
                 task, guard, request, key, self.header.lease, ttl
             )
-            if blocked:
-                return self.conflict(holder, own=True)
+            if blocked:  # another delivery of this task id has it
+                return self.conflict(holder)
             # Adopting the hand-off took it from the owner id in the message, which no
             # delivery of this task id had taken before: none of them ran, let alone
             # finished. Otherwise the acquire below refuses a finished task id itself.
@@ -139,16 +147,10 @@ class Run(Hold):
         if lease is None:
             lease, holder, waited = self._take(ttl)
             if lease is None:
-                return self._refused(lease, holder, waited, waiting)
+                return self._refused(holder, waited, waiting)
         return self._start(lease, waiting, taken)
 
-    def _refused(
-        self,
-        lease: Lease | None,
-        holder: LockInfo | None,
-        waited: float | None,
-        waiting: Lease | None,
-    ) -> Any:
+    def _refused(self, holder: LockInfo | None, waited: float | None, waiting: Lease | None) -> Any:
         """The key was held: a finished copy is dropped, a pending run waits, anything
         else is a conflict."""
         task, request, key = self.task, self.request, self.key
@@ -160,12 +162,12 @@ class Run(Hold):
         if self.done is not None and holder is not None and holder.key == self.done:
             if waiting is not None:  # [coalesce/debounce] not a run that will happen
                 release_quietly(self.guard, waiting)
-            completions.drop_late_copy(task, request, key)
-        if self.opts.pending_runs and not self._own(holder):
+            drop_late_copy(task, request, key)
+        if self.opts.pending_runs and not self.owns(holder):
             return pending.wait_for_key(
                 task, self.guard, request, key, holder, waiting, self.header
             )
-        return self.conflict(holder, waited=waited)
+        return self.conflict(holder, waited)
 
     def _hold(self, lease: Lease, taken: bool) -> None:
         """Hold ``lease`` from here on (an outage before the body: the copy adopts
@@ -185,8 +187,7 @@ class Run(Hold):
                 extra = pending.carried(self.header, waiting)
                 raise defer(task, self.request, self.key, _rate_countdown(slot), "rate", extra)
         if opts.pending_runs:  # [coalesce/debounce] the next submission becomes pending
-            pending.started(self.guard, waiting)
-            debounce.started(self.guard, self.header)
+            pending.started(self.guard, waiting, self.header)
         return self._body()
 
     def _take(self, ttl: float) -> tuple[Lease | None, LockInfo | None, float | None]:
@@ -204,14 +205,9 @@ class Run(Hold):
             "record_refusal": self.header.polls == 0,
             **opts.acquire_options,
         }
-        if not opts.strategy.waits:
-            # A conflict whose holder released before it could be read is tried again
-            # (the key is likely free now).
-            for _ in range(_ATTEMPTS_WHEN_FREED):
-                attempt = self.guard.try_acquire(self.key, ttl, **details)
-                if attempt.lease is not None or attempt.holder is not None:
-                    break
-            return attempt.lease, attempt.holder, None
+        if not opts.strategy.waits:  # a holder gone before it was read: tried again
+            lease, holder = acquire_or_holder(self.guard, self.key, ttl, **details)
+            return lease, holder, None
         timeout = opts.wait_timeout
         if timeout is None:
             setting_value = setting(task._get_app(), "taskguard_wait_timeout")
@@ -245,7 +241,7 @@ class Run(Hold):
     def _finish(self, outcome: BaseException | None) -> None:
         """After the body: stop renewing, then release (with the finished record when
         the run is done for good), unless a retry carries the lease on."""
-        final = self.done is not None and completions.outcome_is_final(outcome, self.task)
+        final = self.done is not None and outcome_is_final(outcome, self.task)
         if self.lease is not None:
             self.stop_renewing()
             if not self.handed_over:
@@ -254,7 +250,7 @@ class Run(Hold):
                 return self.release(Marker(done, self.retention, self.holder) if done else None)
             log.debug("lock %r kept for the retry of %s", self.key, self.task.name)
         if final:
-            completions.record_finished(self.guard, self.task, self.request)
+            record_finished(self.guard, self.task, self.request)
         return None
 
     def release(self, marker: Marker | None = None) -> None:
@@ -274,26 +270,21 @@ class Run(Hold):
 
     # -- a held key -------------------------------------------------------------------------
 
-    def _own(self, holder: LockInfo | None) -> bool:
+    def owns(self, holder: LockInfo | None) -> bool:
+        """Whether ``holder`` holds the key under this run's task id: another delivery
+        of this very message."""
         return holder is not None and holder.holder.task_id == stored_task_id(self.request.id)
 
-    def conflict(
-        self, holder: LockInfo | None, *, own: bool = False, waited: float | None = None
-    ) -> Any:
+    def conflict(self, holder: LockInfo | None, waited: float | None = None) -> Any:
         """Act on a key held at start, per ``on_conflict`` (taskguard.celery.conflicts)."""
-        if self.done is not None and completions.is_finished(self.guard, self.request.id):
-            completions.drop_late_copy(self.task, self.request, self.key)
+        if self.done is not None and is_finished(self.guard, self.request.id):
+            drop_late_copy(self.task, self.request, self.key)
         # Another delivery of this very message (broker redelivery) holds it: never
         # drop or fail it; run it once that copy is done (then it is dropped as a late
         # copy if that one finished) or its lease ran out.
-        if own or self._own(holder):
-            return RETRY.at_run(self, holder, waited, own=True)
-        return self.opts.strategy.at_run(self, holder, waited)
-
-
-#: A conflict whose holder was gone when it was read means the key had just been
-#: released: it is tried again this many times (then reported with holder None).
-_ATTEMPTS_WHEN_FREED = 3
+        if self.owns(holder):
+            return RETRY.held_at_run(self, holder, waited)
+        return self.opts.strategy.held_at_run(self, holder, waited)
 
 
 def _rate_countdown(slot: LockInfo | None) -> float:

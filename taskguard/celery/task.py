@@ -1,12 +1,15 @@
 """The task surface: ``GuardedTask``, a Celery ``Task`` base class that holds a
 per-key lease, and ``@guarded_task``.
 
-Enqueue side (:meth:`GuardedTask.apply_async`): :mod:`taskguard.celery.enqueue`.
-Run side (:meth:`GuardedTask.__call__`, which Celery's tracer calls for every
-execution, worker or eager): :mod:`taskguard.celery.running`. A ``retry()``
-hands the lease to the retry message (below). What no ``finally`` can see (hard
-kill, hard time limit, revoke with terminate) is handled in the worker's main
-process by :mod:`taskguard.celery.worker`, or by expiry.
+Enqueue side (:meth:`GuardedTask.apply_async`): the key is derived once and put in
+the message header; a pending run (coalesce, debounce) takes its place first
+(:mod:`taskguard.celery.pending`), a queue phase its lease
+(:mod:`taskguard.celery.handoff`). Run side (:meth:`GuardedTask.__call__`, which
+Celery's tracer calls for every execution, worker or eager):
+:mod:`taskguard.celery.running`. A ``retry()`` hands the lease to the retry
+message (below). What no ``finally`` can see (hard kill, hard time limit, revoke
+with terminate) is handled in the worker's main process by
+:mod:`taskguard.celery.worker`, or by expiry.
 
 ``@guarded_task`` (below) is the drop-in for ``@shared_task`` / ``@app.task``
 that makes such tasks.
@@ -16,17 +19,17 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, overload
 
 from celery import Task, shared_task
 from celery.exceptions import Retry
-from celery.signals import task_revoked
+from celery.utils import uuid
 
-from taskguard.celery import completions, enqueue
-from taskguard.celery.deferral import retry_delay
-from taskguard.celery.header import HEADER, Header
-from taskguard.celery.leasing import clamp_ttl, default_ttl
+from taskguard.celery import handoff, pending
+from taskguard.celery.deferral import publish_delay, retry_delay
+from taskguard.celery.leasing import clamp_ttl, default_ttl, retention
+from taskguard.celery.message import HEADER, Header, Submission
 from taskguard.celery.options import (
     ATTR_PREFIX,
     GuardOptions,
@@ -36,7 +39,7 @@ from taskguard.celery.options import (
     split_options,
 )
 from taskguard.celery.running import Run
-from taskguard.celery.worker import release_unstarted
+from taskguard.config import guard_for
 from taskguard.exceptions import ConfigurationError
 from taskguard.holding import active_run
 from taskguard.keys import KeyOption
@@ -94,7 +97,7 @@ class GuardedTask(Task):  # type: ignore[misc]
         retention), read once per task object."""
         cached = self.__dict__.get("_taskguard_run_settings")
         if cached is None:
-            cached = (self.taskguard_options, self._ttl(), completions.retention(self))
+            cached = (self.taskguard_options, self._ttl(), retention(self))
             self.__dict__["_taskguard_run_settings"] = cached
         return cached
 
@@ -120,7 +123,26 @@ class GuardedTask(Task):  # type: ignore[misc]
         (return a skipped result, raise :class:`AlreadyLocked`, return the holder's
         ``AsyncResult``, or publish with a countdown)."""
         options.update(producer=producer, link=link, link_error=link_error, shadow=shadow)
-        return enqueue.publish(self, self._send, args, kwargs, task_id, options)
+        opts = self.taskguard_options
+        headers = dict(options.pop("headers", None) or {})
+        incoming = headers.get(HEADER)
+        if isinstance(incoming, Mapping) and incoming.get("via") == "retry":
+            # Published by GuardedTask.retry(): carries its own lease (or none).
+            return self._send(args, kwargs, task_id, headers, options)
+        key = opts.deriver.derive(args, kwargs)
+        if not opts.locks_queue and not opts.pending_runs:  # the common case: the key alone
+            headers[HEADER] = Header(key).to_message()
+            return self._send(args, kwargs, task_id, headers, options)
+        ttl = clamp_ttl(self._queue_ttl() + publish_delay(options))
+        guard = guard_for(self._get_app())
+        sub = Submission(
+            self, self._send, key, task_id or uuid(), args, kwargs, headers, options, guard, ttl
+        )
+        if opts.debounce is not None:  # publish late, replacing the pending run
+            return pending.publish_debounced(sub)
+        if opts.strategy.pending:  # publish as the pending run, or merge into it
+            return pending.publish_coalesced(sub)
+        return handoff.publish(sub)  # a queue phase: take the lease, publish it
 
     def _send(
         self, args: Any, kwargs: Any, task_id: Any, headers: Any, options: dict[str, Any]
@@ -196,16 +218,6 @@ class GuardedTask(Task):  # type: ignore[misc]
 # One attribute per option, with the option's default (the declaration is GuardOptions).
 for _name, _default in option_defaults().items():
     setattr(GuardedTask, ATTR_PREFIX + _name, _default)
-
-
-def _on_revoked(
-    sender: Any = None, request: Any = None, terminated: bool = False, **_: Any
-) -> None:
-    if isinstance(sender, GuardedTask) and request is not None and not terminated:
-        release_unstarted(sender, request, Header.of(request))
-
-
-task_revoked.connect(_on_revoked, weak=False, dispatch_uid="taskguard.celery.worker.revoked")
 
 
 # -- the decorator -----------------------------------------------------------------------

@@ -1,4 +1,21 @@
-"""Worker main-process hooks for the ways a run ends without its ``finally``.
+"""The worker's main-process hooks: the start-up check, and the ways a run ends
+without its ``finally``.
+
+The start-up check (:func:`run_startup_check`) runs once in the worker's main
+process (``celeryd_after_setup``: once the worker's logging is set up, before the
+pool starts) and logs one line: ``ok``, or each problem with its fix; and a
+warning for each unknown ``taskguard_*`` setting, naming the closest known one.
+What a failed check does depends on ``taskguard_startup_check``:
+
+* ``"stop"`` (default): stop the worker when the configuration is wrong - an
+  unusable URL, a schema that is not at this taskguard's head, a missing
+  privilege. These never fix themselves, and a worker running with them fails
+  every guarded task (closed: the bodies do not run) while looking healthy. An
+  *unreachable* database only logs: it is usually transient, guarded tasks fail
+  closed and retry meanwhile, and a fleet that refuses to start during a database
+  blip turns a short outage into a long one.
+* ``"strict"``: stop on any failed check, unreachable included.
+* ``"log"``: only log. ``"off"``: no check.
 
 Inside a pool child every catchable way out unwinds through the run's
 ``finally`` (billiard turns SIGTERM into ``SystemExit``; a soft time limit is an
@@ -25,33 +42,111 @@ at all: the lease then ends by expiry, within one ttl.
 from __future__ import annotations
 
 import logging
+import os
 import signal as _signal
 import threading
 from typing import Any
 
 from celery.exceptions import TimeLimitExceeded, WorkerLostError
 from celery.platforms import signals as platform_signals
-from celery.signals import worker_init
+from celery.signals import celeryd_after_setup, task_revoked, worker_init
 from celery.utils.functional import maybe_list
 from celery.worker.control import Panel
 from celery.worker.request import Request
 from kombu.asynchronous import get_event_loop
 
 from taskguard.celery import pending
-from taskguard.celery.header import Header, stored_task_id
 from taskguard.celery.leasing import (
     held_seconds,
     lease_from_info,
     release_quietly,
     send_released,
 )
-from taskguard.config import guard_for
+from taskguard.celery.message import Header, stored_task_id
+from taskguard.celery.task import GuardedTask
+from taskguard.compat import configured
+from taskguard.config import ENV_DATABASE_URL, database_url, guard_for, setting, unknown_settings
+from taskguard.exceptions import ConfigurationError
 from taskguard.lease import Lease
+from taskguard.preflight import check_database
 
-__all__ = ["GuardedRequest", "give_back_at_revoke", "release_dead_run", "release_unstarted"]
+__all__ = [
+    "MODES",
+    "GuardedRequest",
+    "give_back_at_revoke",
+    "release_dead_run",
+    "release_unstarted",
+    "run_startup_check",
+    "uses_taskguard",
+]
 
 log = logging.getLogger("taskguard.celery")
 
+
+# -- the start-up check ------------------------------------------------------------------
+
+#: The values of ``taskguard_startup_check``.
+MODES = ("stop", "strict", "log", "off")
+
+
+def run_startup_check(app: Any) -> bool:
+    """Check ``app``'s lock database; ``False`` if the worker should stop."""
+    mode = str(setting(app, "taskguard_startup_check")).lower()
+    if mode not in MODES:
+        log.error(
+            "taskguard_startup_check=%r is not one of %s; checking in 'stop' mode",
+            mode,
+            ", ".join(MODES),
+        )
+        mode = "stop"
+    if mode == "off":
+        return True
+    try:
+        url = database_url(app)
+    except ConfigurationError as exc:  # names the unknown settings too
+        log.error("taskguard start-up check: %s", exc)
+        return mode == "log"
+    for line in unknown_settings(app):
+        log.warning("taskguard start-up check: %s", line)
+    timeout = min(5.0, float(setting(app, "taskguard_call_timeout")))
+    result = check_database(url, timeout=timeout)
+    if result.ok:
+        log.info("%s", result.line())
+        return True
+    stop = mode == "strict" or (mode == "stop" and not result.unreachable)
+    suffix = f" - stopping the worker (taskguard_startup_check={mode!r})" if stop else ""
+    log.error("%s%s", result.line(), suffix)
+    return not stop
+
+
+def uses_taskguard(app: Any) -> bool:
+    """Whether ``app`` uses taskguard: a guarded task, a ``taskguard_*`` setting, the
+    database URL in the environment, or a compat backend. A worker of an app that
+    does not is never checked (installing taskguard must not stop unrelated workers)."""
+    conf = app.conf
+    if any(isinstance(task, GuardedTask) for task in app.tasks.values()):
+        return True
+    if os.environ.get(ENV_DATABASE_URL) or any(
+        name.startswith("taskguard_") and conf.get(name) is not None for name in conf
+    ):
+        return True
+    return bool(configured(conf))
+
+
+def _on_worker_setup(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    app = getattr(instance, "app", None)
+    if app is None or not uses_taskguard(app) or run_startup_check(app):
+        return
+    # Signal handlers' exceptions are logged and swallowed; SystemExit is not.
+    raise SystemExit(1)
+
+
+celeryd_after_setup.connect(
+    _on_worker_setup, weak=False, dispatch_uid="taskguard.celery.worker.startup"
+)
+
+
+# -- a run that ends without its ``finally`` ---------------------------------------------
 
 #: Seconds after a hard time limit before the main process checks the child's rows
 #: (billiard waits 0.1 s after SIGTERM before it sends SIGKILL).
@@ -109,7 +204,7 @@ def _report(key: str, task: Any, task_id: str, pid: int, nodename: str | None, w
 
 def release_unstarted(task: Any, request: Any, header: Header) -> None:
     """A message discarded before it ran (revoked, expired) gives back the lease it
-    carried. Connected to ``task_revoked`` by :mod:`taskguard.celery.task`."""
+    carried (``task_revoked``; see also :func:`give_back_at_revoke`)."""
     pending.give_up(task, header)  # [coalesce] a revoked pending run gives its place back
     if header.lease is None:
         return
@@ -124,6 +219,16 @@ def release_unstarted(task: Any, request: Any, header: Header) -> None:
         send_released(task, lease, released, held_seconds(lease))
     except Exception:
         log.exception("could not release the lock of revoked %s[%s]", task.name, request.id)
+
+
+def _on_revoked(
+    sender: Any = None, request: Any = None, terminated: bool = False, **_: Any
+) -> None:
+    if isinstance(sender, GuardedTask) and request is not None and not terminated:
+        release_unstarted(sender, request, Header.of(request))
+
+
+task_revoked.connect(_on_revoked, weak=False, dispatch_uid="taskguard.celery.worker.revoked")
 
 
 def give_back_at_revoke(**_: Any) -> None:

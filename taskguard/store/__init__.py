@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from sqlalchemy import URL, Engine
 
@@ -52,6 +52,18 @@ CONTENDED_KEYS = 1024
 _GRANT = ("unless", "key", "slot", "n", "owner", "ttl", "task_name", "task_id", "hostname", "pid")
 #: The marker's parameters of :attr:`LockSQL.release_marking`.
 _MARK = ("mark_key", "mark_owner", "mark_ttl", "task_name", "task_id", "hostname", "pid")
+
+
+class _Acquire(NamedTuple):
+    """One full acquire: its statement and parameters, how many slots it may take,
+    and what its lease records (``seconds``, ``hold``, ``sent``: see :class:`Lease`)."""
+
+    stmt: Statement
+    values: dict[str, Any]
+    limit: int
+    seconds: float
+    hold: float
+    sent: float
 
 
 class Store:
@@ -141,10 +153,9 @@ class Store:
             try:
                 rows = self.run(lean, values, deadline)[0]
             except (OutcomeUnknown, DatabaseUnavailable) as exc:
+                full = _Acquire(self._full(values, 1), values, 1, seconds, hold, sent)
                 with call_limit(deadline - time.monotonic()):
-                    return self._failed_grant(
-                        exc, self._full(values, 1), values, 1, seconds, hold, sent
-                    )
+                    return self._failed_grant(exc, full)
             if rows:
                 (token, at, until), conv = rows[0], self._conv
                 key, owner, slot = values["key"], values["owner"], values["slot"]
@@ -176,33 +187,27 @@ class Store:
         unread = limit > 1 or self._sql.acquire_unless is None  # unless= not in the statement
         if unless is not None and unread and (marker := self.live_holder(unless)) is not None:
             return None, (self.live_holder(key) or marker) if limit == 1 else None
-        stmt = self._full(values, limit)
+        full = _Acquire(self._full(values, limit), values, limit, seconds, hold, sent)
         try:
-            rows, _ = self.run(stmt, values)
+            rows, _ = self.run(full.stmt, values)
         except (OutcomeUnknown, DatabaseUnavailable) as exc:
-            return self._failed_grant(exc, stmt, values, limit, seconds, hold, sent)
-        return self._granted(rows, stmt, values, limit, seconds, hold, sent)
+            return self._failed_grant(exc, full)
+        return self._granted(rows, full)
 
     def _failed_grant(
-        self,
-        exc: OutcomeUnknown | DatabaseUnavailable,
-        stmt: Statement,
-        values: dict[str, Any],
-        limit: int,
-        seconds: float,
-        hold: float,
-        sent: float,
+        self, exc: OutcomeUnknown | DatabaseUnavailable, full: _Acquire
     ) -> tuple[Lease | None, LockInfo | None]:
         """After a broken connection: the grant read back, else the full acquire again."""
         if isinstance(exc, OutcomeUnknown) or not exc.statement_sent:
             raise exc  # nothing reached the server: certainly not granted
-        recovered = self._recover(values, None if limit > 1 else values["slot"], exc)
+        values = full.values
+        recovered = self._recover(values, None if full.limit > 1 else values["slot"], exc)
         if recovered is not None:
-            recovered.ttl, recovered.min_hold = seconds, hold
-            recovered.confirmed_at = sent
+            recovered.ttl, recovered.min_hold = full.seconds, full.hold
+            recovered.confirmed_at = full.sent
             return recovered, None
         try:
-            rows, _ = self.run(stmt, values)
+            rows, _ = self.run(full.stmt, values)
         except DatabaseUnavailable as again:
             if not again.statement_sent:
                 raise
@@ -213,19 +218,13 @@ class Store:
                 values["owner"],
                 self.url,
             ) from again
-        return self._granted(rows, stmt, values, limit, seconds, hold, sent)
+        return self._granted(rows, full)
 
     def _granted(
-        self,
-        rows: list[tuple[Any, ...]],
-        stmt: Statement,
-        values: dict[str, Any],
-        limit: int,
-        seconds: float,
-        hold: float,
-        sent: float,
+        self, rows: list[tuple[Any, ...]], full: _Acquire
     ) -> tuple[Lease | None, LockInfo | None]:
         """The full acquire's rows: the lease, or the holder it read."""
+        stmt, values, limit = full.stmt, full.values, full.limit
         seen = self.dialect.holders(rows) if limit == 1 else []
         rows = self.dialect.granted(rows, values["owner"], limit > 1)
         if limit > 1:
@@ -249,10 +248,10 @@ class Store:
             int(token),
             conv(acquired_at),
             conv(expires_at),
-            seconds,
+            full.seconds,
             int(slot),
-            hold,
-            sent,
+            full.hold,
+            full.sent,
         ), None
 
     def _recover(

@@ -44,7 +44,7 @@ from integration.celery.workers import Worker, start_worker, unique_queue
 from sqlalchemy.engine import make_url
 
 from taskguard import DatabaseUnavailable, schema
-from taskguard.celery.results import MARKER
+from taskguard.celery.message import MARKER
 from taskguard.config import reset_guards
 from tests.harness.postgres import ThrowawayCluster
 from tests.harness.proxy import FaultProxy

@@ -18,7 +18,7 @@ from taskguard import (
     guarded_task,
     is_skipped,
 )
-from taskguard.celery.header import HEADER
+from taskguard.celery.message import HEADER
 from taskguard.config import ENV_DATABASE_URL, reset_guards
 
 

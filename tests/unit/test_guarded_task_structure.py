@@ -18,8 +18,8 @@ from celery import Celery
 from celery.exceptions import Ignore
 
 from taskguard import GuardedTask, LeaseLost, TaskGuard, guarded_task, signals
-from taskguard.celery import completions, task
-from taskguard.celery.header import MAX_STORED_ID, is_shortened, stored_task_id
+from taskguard.celery import leasing, task
+from taskguard.celery.message import MAX_STORED_ID, is_shortened, stored_task_id
 from taskguard.celery.options import ATTR_PREFIX, OPTION_NAMES, option_defaults
 from taskguard.config import reset_guards
 from taskguard.holding import Interrupter
@@ -71,7 +71,7 @@ def test_finished_records_and_the_late_copy_drop(app: Celery, pg_url: str) -> No
 
     signals.late_copy_dropped.connect(receiver, weak=False)
     try:
-        assert not completions.is_finished(guard, "t-1")
+        assert not leasing.is_finished(guard, "t-1")
 
         class Req:
             id = "t-1"
@@ -80,12 +80,12 @@ def test_finished_records_and_the_late_copy_drop(app: Celery, pg_url: str) -> No
         @guarded_task(app=app, shared=False, key="f")
         def job() -> None: ...
 
-        completions.record_finished(guard, job, Req())
-        assert completions.is_finished(guard, "t-1")
-        info = guard.get(completions.finished_key("t-1"))
+        leasing.record_finished(guard, job, Req())
+        assert leasing.is_finished(guard, "t-1")
+        info = guard.get(leasing.finished_key("t-1"))
         assert info is not None and 7100 < info.expires_in.total_seconds() <= 7200
         with pytest.raises(Ignore):
-            completions.drop_late_copy(job, Req(), "f")
+            leasing.drop_late_copy(job, Req(), "f")
         assert dropped == [{"signal": signals.late_copy_dropped, "key": "f", "task_id": "t-1"}]
     finally:
         signals.late_copy_dropped.disconnect(receiver)

@@ -46,7 +46,7 @@ def test_the_celery_names_import_on_first_use() -> None:
 def test_imported_inside_a_celery_process_the_integration_is_wired_at_once() -> None:
     out = _run(
         "import sys, celery, taskguard\n"
-        "print('taskguard.celery.startup' in sys.modules, 'taskguard.celery.reaper' in sys.modules)\n"
+        "print('taskguard.celery.worker' in sys.modules, 'taskguard.celery.reaper' in sys.modules)\n"
     )
     assert out.split() == ["True", "True"]
 
@@ -61,6 +61,6 @@ def test_imported_before_celery_the_reaper_setting_still_schedules_the_reaper() 
         "app.finalize()\n"
         "print('taskguard.reap_expired_locks' in app.tasks,\n"
         "      app.conf.beat_schedule['taskguard-reaper']['schedule'],\n"
-        "      'taskguard.celery.startup' in sys.modules)\n"
+        "      'taskguard.celery.worker' in sys.modules)\n"
     )
     assert out.split() == ["True", "45.0", "True"]

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from kombu.utils import json as kombu_json
 
 from taskguard import ConfigurationError, InvalidKey
-from taskguard.celery.options import build_options, signature_of
+from taskguard.celery.options import GuardOptions, signature_of
 from taskguard.keys import MAX_KEY_LENGTH, KeyDeriver, args_digest, canonical, canonical_json
 
 
@@ -367,12 +367,12 @@ def test_key_args_validation() -> None:
 )
 def test_option_errors_name_the_task_and_option(options: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigurationError, match=message) as info:
-        build_options("tasks.fetch", inspect.signature(fetch), **options)
+        GuardOptions.build("tasks.fetch", inspect.signature(fetch), **options)
     assert "tasks.fetch" in str(info.value)
 
 
 def test_valid_options() -> None:
-    opts = build_options(
+    opts = GuardOptions.build(
         "t",
         inspect.signature(fetch),
         lock="queue_and_run",

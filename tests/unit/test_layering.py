@@ -27,21 +27,21 @@ STORE_USERS = {"taskguard.guard", "taskguard.waiting", "taskguard.preflight", "t
 #: The Celery integration's layers, bottom first (docs/architecture.md): a module
 #: imports modules of its own layer or below, never above.
 CELERY_LAYERS = (
-    # the message: what it carries (and task ids as stored), the markers
-    ("header", "results"),
-    # the held lease: taking and giving back, its clock, renewal and loss, finished records
-    ("leasing", "completions"),
+    # the message: the header, task ids as stored, the markers, a submission
+    ("message",),
+    # a task's leases: taken and given back, handed over in a message, finished records
+    ("leasing",),
     # deferred runs: countdowns, re-published copies, outages
     ("deferral",),
     # behaviours: conflict strategies, the queue phase (and leases handed over in a
-    # message), rates, pending runs, debounce
-    ("conflicts", "handoff", "rate", "pending", "debounce"),
+    # message), rates, pending runs (coalesce, debounce)
+    ("conflicts", "handoff", "rate", "pending"),
     # the options, declared once (they name the behaviours)
     ("options",),
-    # the two sides of a guarded call, and the worker's hooks
-    ("enqueue", "running", "worker"),
-    # the task surface
-    ("task", "startup", "reaper", ""),
+    # the run
+    ("running",),
+    # the task surface (apply_async: the enqueue side), the worker's hooks, the reaper
+    ("task", "worker", "reaper", ""),
 )
 
 

@@ -2,7 +2,7 @@
 backport): ``@guarded`` locks a task's runs on any backend, :class:`GuardedBackend`
 also refuses (or answers) duplicate enqueues. Users: docs/django-tasks.md."""
 
-from taskguard.celery.results import is_skipped
+from taskguard.celery.message import is_skipped
 from taskguard.contrib.django_tasks.backend import GuardedBackend
 from taskguard.contrib.django_tasks.run import DEFERRED, guarded, project_guard
 from taskguard.holding import check_lease, current_lease

@@ -24,7 +24,7 @@ from typing import Any
 
 from django.utils import timezone
 
-from taskguard.celery.results import MARKER, skipped_result
+from taskguard.celery.message import MARKER, skipped_result
 from taskguard.config import guard_for, setting
 from taskguard.contrib.django import conf
 from taskguard.contrib.django_tasks.framework import task_finished, task_started

@@ -15,7 +15,7 @@ from celery import Celery
 from celery._state import _set_task_join_will_block
 
 from taskguard import TaskGuard, current_lease, guarded_task, is_skipped
-from taskguard.celery.header import Header
+from taskguard.celery.message import Header
 from taskguard.celery.worker import release_dead_run
 from taskguard.config import reset_guards
 

@@ -30,7 +30,7 @@ from tg_worker_app import make_app
 from workers import purge_queue, start_worker, unique_queue
 
 from taskguard import AlreadyLocked, TaskGuard, is_skipped
-from taskguard.celery.header import HEADER
+from taskguard.celery.message import HEADER
 from taskguard.config import reset_guards
 
 pytestmark = [pytest.mark.celery, pytest.mark.postgres]

@@ -14,7 +14,7 @@ from celery import Celery
 from celery.exceptions import Ignore
 
 from taskguard import TaskGuard, guarded_task
-from taskguard.celery.header import HEADER
+from taskguard.celery.message import HEADER
 from taskguard.config import guard_for, reset_guards
 
 

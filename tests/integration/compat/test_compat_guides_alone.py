@@ -22,7 +22,7 @@ from celery_singleton import Singleton
 
 from taskguard import TaskGuard
 from taskguard.celery.reaper import reap_expired_locks
-from taskguard.celery.startup import run_startup_check
+from taskguard.celery.worker import run_startup_check
 from taskguard.config import ENV_DATABASE_URL, reset_guards
 
 ONCE = "taskguard.compat.celery_once.Backend"
