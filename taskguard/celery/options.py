@@ -19,7 +19,8 @@ from functools import cached_property
 from typing import Any
 
 from taskguard.celery.conflicts import SKIP, STRATEGIES, Strategy, check_options, strategy_named
-from taskguard.celery.rate import BUSY, Rate, parse_rate
+from taskguard.celery.pending import check_debounce
+from taskguard.celery.rate import BUSY, Rate, check_rate, parse_rate
 from taskguard.exceptions import ConfigurationError, InvalidTTL
 from taskguard.keys import KeyDeriver, KeyOption, validate_limit, validate_ttl
 
@@ -352,23 +353,5 @@ def _check_combinations(task: str, values: Mapping[str, Any]) -> None:
             f"task {task}: queue_ttl applies to lock='queue'/'queue_and_run' only"
         )
     check_options(task, strategy, values)
-    # [rate/debounce] combinations
-    if values["debounce"] is not None and (lock != "run" or strategy is not SKIP):
-        raise ConfigurationError(
-            f"task {task}: debounce= decides what a busy key does (the run waits as the "
-            "key's pending run), so it needs lock='run' and no on_conflict"
-        )
-    if values["debounce_max"] is not None:
-        if values["debounce"] is None:
-            raise ConfigurationError(f"task {task}: debounce_max applies with debounce= only")
-        debounce = _seconds(task, "debounce", values["debounce"])
-        cap = _seconds(task, "debounce_max", values["debounce_max"])
-        if debounce is not None and cap is not None and cap < debounce:
-            raise ConfigurationError(
-                f"task {task}: debounce_max ({cap:g}s) must be at least debounce ({debounce:g}s)"
-            )
-    if values["rate"] is not None and lock == "queue":
-        raise ConfigurationError(
-            f"task {task}: rate= counts starts under the run's lock, so it needs "
-            "lock='run' or lock='queue_and_run'"
-        )
+    check_debounce(task, values, strategy)
+    check_rate(task, values)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -53,6 +54,15 @@ class Rate:
 
     def __str__(self) -> str:
         return f"{self.starts}/{self.period:g}s"
+
+
+def check_rate(task: str, values: Mapping[str, Any]) -> None:
+    """The lock phases ``rate=`` works with (declaration time)."""
+    if values["rate"] is not None and values["lock"] == "queue":
+        raise ConfigurationError(
+            f"task {task}: rate= counts starts under the run's lock, so it needs "
+            "lock='run' or lock='queue_and_run'"
+        )
 
 
 def parse_rate(task: str, value: object) -> Rate | None:
