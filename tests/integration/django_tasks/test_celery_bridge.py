@@ -2,7 +2,8 @@
 enqueued by django-tasks-celery's CeleryBackend (GuardedBackend in front, celerysite)
 onto Redis (DB 2, a queue per test) and run by a real prefork ``celery worker -c 2``
 (scenario_celery.py: 200 enqueues over 5 feeds, a 0.2 s body; each run's start and
-end by the database clock are the independent record). django-tasks-celery needs
+end by the database clock are the independent record), on PostgreSQL, MariaDB and
+SQLite (the example site's own database holds the locks). django-tasks-celery needs
 Django 6 (Python 3.12): .ci/run's Django 6 step installs it and runs these."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from conftest import drop_pg_database, new_pg_database
+from djtasks_sites import example_env_fixture  # noqa: F401 (the example_env fixture)
 from sqlalchemy.engine import make_url
 
 from tests.services import REDIS_URL
@@ -38,20 +39,15 @@ pytestmark = [
 
 
 @pytest.fixture
-def site_env(pg_template: str, tmp_path: Path) -> Iterator[dict[str, str]]:
-    url = new_pg_database(None)
-    env = dict(os.environ)
-    env.pop("TASKGUARD_DATABASE_URL", None)
-    env.update({
+def site_env(example_env: dict[str, str]) -> Iterator[dict[str, str]]:
+    env = {
+        **example_env,
         "DJANGO_SETTINGS_MODULE": "celerysite.settings",
-        "DJANGOTASKSFEEDS_DIR": str(tmp_path),
-        "DJANGOTASKSFEEDS_DATABASE": make_url(url).set(drivername="postgresql").render_as_string(hide_password=False),
-        "CELERYSITE_BROKER": make_url(REDIS_URL).set(database="2").render_as_string(hide_password=False),
+        "CELERYSITE_BROKER": make_url(REDIS_URL).set(database="2").render_as_string(False),
         "CELERYSITE_QUEUE": f"taskguard-djcelery-{uuid.uuid4().hex[:8]}",
-        "PYTHONPATH": os.pathsep.join([str(HERE), str(EXAMPLE), str(REPO), env.get("PYTHONPATH", "")]),
-    })  # fmt: skip
+    }
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env["PYTHONPATH"]])
     yield env
-    drop_pg_database(url)
     broker = redis.Redis.from_url(env["CELERYSITE_BROKER"])  # the queue's keys (results expire)
     for name in broker.scan_iter(match=f"*{env['CELERYSITE_QUEUE']}*"):
         broker.delete(name)

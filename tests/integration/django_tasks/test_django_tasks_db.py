@@ -7,15 +7,12 @@ backport on Django 5.2, django.tasks on Django 6 (.ci/run's Python 3.12 step).""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import drop_maria_database, drop_pg_database, new_maria_database, new_pg_database
-from sqlalchemy.engine import make_url
+from djtasks_sites import example_env_fixture  # noqa: F401 (the example_env fixture)
 
 REPO = Path(__file__).resolve().parents[3]
 EXAMPLE = REPO / "examples" / "djangotasksfeeds"
@@ -23,28 +20,9 @@ EXAMPLE = REPO / "examples" / "djangotasksfeeds"
 pytestmark = [pytest.mark.slow, pytest.mark.django_tasks]
 
 
-@pytest.fixture(params=["postgresql", "mariadb", "sqlite"])
-def site_env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, str]]:
-    env = dict(os.environ)
-    for name in ("TASKGUARD_DATABASE_URL", "DJANGO_SETTINGS_MODULE", "DJANGOTASKSFEEDS_DATABASE"):
-        env.pop(name, None)
-    env["DJANGOTASKSFEEDS_DIR"] = str(tmp_path)
-    env["DJANGO_SETTINGS_MODULE"] = "feedsite.settings"
-    env["PYTHONPATH"] = os.pathsep.join([str(EXAMPLE), str(REPO), env.get("PYTHONPATH", "")])
-    url = None
-    if request.param == "postgresql":
-        request.getfixturevalue("pg_template")
-        url = new_pg_database(None)
-        env["DJANGOTASKSFEEDS_DATABASE"] = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)  # fmt: skip
-    elif request.param == "mariadb":
-        request.getfixturevalue("maria_template")
-        url = new_maria_database(None)
-        env["DJANGOTASKSFEEDS_DATABASE"] = make_url(url).set(drivername="mysql", query={}).render_as_string(hide_password=False)  # fmt: skip
-    yield env
-    if request.param == "postgresql" and url:
-        drop_pg_database(url)
-    elif request.param == "mariadb" and url:
-        drop_maria_database(url)
+@pytest.fixture
+def site_env(example_env: dict[str, str]) -> dict[str, str]:
+    return {**example_env, "DJANGO_SETTINGS_MODULE": "feedsite.settings"}
 
 
 def _run(env: dict[str, str], *args: str, timeout: float = 240) -> str:
