@@ -59,23 +59,19 @@ from celery.result import AsyncResult, EagerResult
 from taskguard.exceptions import InvalidArgument, InvalidKey
 from taskguard.guard import TaskGuard
 from taskguard.keys import normalize_key
-from taskguard.lease import LockInfo
+from taskguard.lease import MARKER, SKIPPED
 
 __all__ = [
     "CANVAS_OPTIONS",
     "HEADER",
-    "MARKER",
     "MAX_STORED_ID",
-    "SKIPPED",
     "Header",
     "Send",
     "Submission",
     "has_marker",
     "in_canvas",
-    "is_marker",
     "is_shortened",
     "is_skipped",
-    "skipped_result",
     "stored_task_id",
 ]
 
@@ -223,27 +219,9 @@ def is_shortened(stored: str | None) -> bool:
 # -- markers -------------------------------------------------------------------------------
 
 
-#: The dict key that marks taskguard's own result values.
-MARKER = "__taskguard__"
-#: ``value[MARKER]`` of a skipped run.
-SKIPPED = "skipped"
 #: ``apply_async`` options that make a message part of a canvas: something waits
 #: for its result or is published after it.
 CANVAS_OPTIONS = ("chord", "group_id", "chain", "link", "link_error")
-
-
-def skipped_result(
-    *, task: str, task_id: str | None, key: str, phase: str, holder: LockInfo | None
-) -> dict[str, Any]:
-    """The return value of a skipped run (see the module docstring)."""
-    return {
-        MARKER: SKIPPED,
-        "task": task,
-        "task_id": task_id,
-        "key": key,
-        "phase": phase,
-        "holder": holder.to_dict() if holder is not None else None,
-    }
 
 
 def is_skipped(value: object) -> bool:
@@ -272,11 +250,6 @@ def has_marker(value: object, kind: str, check: str) -> bool:
             )
         value = value.result
     return isinstance(value, dict) and value.get(MARKER) == kind
-
-
-def is_marker(value: object) -> bool:
-    """Whether ``value`` is one of taskguard's markers (skipped, coalesced)."""
-    return isinstance(value, dict) and isinstance(value.get(MARKER), str)
 
 
 def in_canvas(options: Mapping[str, Any]) -> bool:

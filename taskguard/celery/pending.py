@@ -63,13 +63,13 @@ from taskguard.celery.leasing import (
     publish_carrying,
     release_quietly,
 )
-from taskguard.celery.message import MARKER, Header, Submission, has_marker, stored_task_id
+from taskguard.celery.message import Header, Submission, has_marker, stored_task_id
 from taskguard.companions import companion_key
 from taskguard.config import guard_for
 from taskguard.exceptions import ConfigurationError, InvalidTTL, TaskGuardError
 from taskguard.guard import TaskGuard
 from taskguard.keys import validate_ttl
-from taskguard.lease import Lease, LockInfo
+from taskguard.lease import MARKER, Lease, LockInfo
 
 __all__ = [
     "COALESCED",

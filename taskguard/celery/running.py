@@ -35,12 +35,12 @@ from taskguard.celery.leasing import (
     release_quietly,
     send_released,
 )
-from taskguard.celery.message import Header, is_marker, stored_task_id
+from taskguard.celery.message import Header, stored_task_id
 from taskguard.config import guard_for, setting
 from taskguard.exceptions import DatabaseUnavailable
 from taskguard.holding import Hold, Interrupter, enter_run, exit_run, valid_until
 from taskguard.keys import validate_ttl
-from taskguard.lease import Holder, Lease, LockInfo, Marker
+from taskguard.lease import Holder, Lease, LockInfo, Marker, is_marker
 
 __all__ = ["Run"]
 

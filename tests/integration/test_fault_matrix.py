@@ -44,8 +44,8 @@ from integration.celery.workers import Worker, start_worker, unique_queue
 from sqlalchemy.engine import make_url
 
 from taskguard import DatabaseUnavailable, schema
-from taskguard.celery.message import MARKER
 from taskguard.config import reset_guards
+from taskguard.lease import MARKER
 from tests.harness.postgres import ThrowawayCluster
 from tests.harness.proxy import FaultProxy
 

@@ -2,10 +2,10 @@
 backport): ``@guarded`` locks a task's runs on any backend, :class:`GuardedBackend`
 also refuses (or answers) duplicate enqueues. Users: docs/django-tasks.md."""
 
-from taskguard.celery.message import is_skipped
 from taskguard.contrib.django_tasks.backend import GuardedBackend
 from taskguard.contrib.django_tasks.run import DEFERRED, guarded, project_guard
 from taskguard.holding import check_lease, current_lease
+from taskguard.lease import is_skipped
 
 __all__ = [
     "DEFERRED",

@@ -24,7 +24,6 @@ from typing import Any
 
 from django.utils import timezone
 
-from taskguard.celery.message import MARKER, skipped_result
 from taskguard.config import guard_for, setting
 from taskguard.contrib.django import conf
 from taskguard.contrib.django_tasks.framework import task_finished, task_started
@@ -32,7 +31,7 @@ from taskguard.exceptions import AlreadyLocked, ConfigurationError, TaskGuardErr
 from taskguard.guard import TaskGuard
 from taskguard.holding import Hold, enter_run, exit_run
 from taskguard.keys import KeyDeriver, KeyOption, validate_limit, validate_ttl
-from taskguard.lease import Lease, LockInfo
+from taskguard.lease import MARKER, Lease, LockInfo, skipped_result
 
 __all__ = ["DEFERRED", "LOCK_PHASES", "ON_CONFLICT", "GuardSpec", "guarded", "project_guard"]
 
