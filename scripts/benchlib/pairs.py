@@ -87,7 +87,7 @@ class RawSql(Contestant):
         engine = create_engine(url)
         sql = lock_sql_for(engine.dialect)
         engine.dispose()
-        self.acquire_sql, self.release_sql = sql.acquire.sql, sql.release.sql
+        self.acquire, self.release = sql.acquire, sql.release
         self.conn = _pg_connect(self, url)
         if not durable:
             self.conn.execute("SET synchronous_commit TO off")
@@ -100,23 +100,18 @@ class RawSql(Contestant):
         key = self.key if key is None else key
         cur = self.cur
         owner = uuid.uuid4().hex
-        cur.execute(
-            self.acquire_sql,
-            {
-                "key": key,
-                "slot": 0,
-                "owner": owner,
-                "ttl": TTL,
-                "task_name": None,
-                "task_id": None,
-                "hostname": self.hostname,
-                "pid": self.pid,
-            },
-            prepare=True,
-        )
-        if cur.fetchone() is None:
+        values = {
+            "key": key, "slot": 0, "owner": owner, "ttl": TTL, "task_name": None,
+            "task_id": None, "hostname": self.hostname, "pid": self.pid,
+        }  # fmt: skip
+        cur.execute(self.acquire.sql, self.acquire.params(values), prepare=True)
+        got = cur.fetchone()
+        if got is None or got[0] is not None:  # a refusal returns the holder's row (its key)
             raise RuntimeError(f"raw acquire of {key} was not granted")
-        cur.execute(self.release_sql, {"key": key, "slot": 0, "owner": owner}, prepare=True)
+        release = self.release
+        cur.execute(
+            release.sql, release.params({"key": key, "slot": 0, "owner": owner}), prepare=True
+        )
         if cur.rowcount != 1:
             raise RuntimeError(f"raw release of {key} matched {cur.rowcount} rows")
 

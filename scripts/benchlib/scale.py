@@ -39,6 +39,7 @@ from benchlib.common import (
 )
 from taskguard import TaskGuard
 from taskguard.dialects import lock_sql_for
+from taskguard.dialects.base import Statement
 
 TTL = 60.0
 GRACE = 300.0
@@ -250,12 +251,13 @@ def _pgbench_script(url: str) -> str:
         "pid": "(:client_id)",
     }
 
-    def sub(text: str) -> str:
-        return re.sub(r"%\((\w+)\)s", lambda m: values[m.group(1)], text)
+    def sub(stmt: Statement) -> str:
+        names = iter(stmt.positional_names or ())  # its %s placeholders, in order
+        return re.sub(r"%s", lambda _: values[next(names)], stmt.sql)
 
     return (
         f"\\set k random(1, {BLOAT_KEYS})\n\\set o random(1, 1000000000)\n"
-        f"{sub(sql.acquire.sql)};\n{sub(sql.release.sql)};\n"
+        f"{sub(sql.acquire)};\n{sub(sql.release)};\n"
     )
 
 
