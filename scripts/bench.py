@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """taskguard benchmarks (issue #6): every row in one run, ratios from that run.
 
-    python scripts/bench.py [--quick] [--json FILE] [--sections pairs,contention,scale,e2e,storm,refusals]
+    python scripts/bench.py [--quick] [--json FILE] [--sections pairs,contention,...,lines,compat]
 
 Needs the local PostgreSQL, Redis and RabbitMQ (URLs below, or the options); the
 storm section also starts a private memcached (installing the Debian package when
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchlib import common, report
 
-SECTIONS = ("pairs", "contention", "scale", "e2e", "storm", "refusals", "split", "lines")
+SECTIONS = ("pairs", "contention", "scale", "e2e", "storm", "refusals", "split", "lines", "compat")
 DEFAULT_PG = os.environ.get(
     "TASKGUARD_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 )
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     target_results = report.targets(rows)
     meta["load_after"] = os.getloadavg()
     meta["seconds"] = round(time.monotonic() - started, 1)
-    failed = any(r.status.startswith("error") for r in rows)
+    failed = any(r.status.startswith(("error", "failed")) for r in rows)
 
     print(report.format_table(rows))
     print()

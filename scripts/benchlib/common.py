@@ -69,7 +69,7 @@ class Row:
     ref: str | None = None
     ratio_kind: str = "cost"
     ratio: float | None = None
-    status: str = "ok"  # "ok", "not run: <reason>", "error: <reason>"
+    status: str = "ok"  # "ok", "not run: <reason>", "error: <reason>", "failed: <reason>"
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -82,6 +82,13 @@ def not_run(rows: Sequence[Row], reason: str, *, error: bool = False) -> list[Ro
     for row in rows:
         row.status = f"{'error' if error else 'not run'}: {reason}"
     return list(rows)
+
+
+def mark_failed(rows: Sequence[Row], reason: str) -> None:
+    """Rows whose contestant's task raised: the reason instead of their figures."""
+    for row in rows:
+        row.status, row.note, row.extra = f"failed: {reason}", "", {}
+        row.rate = row.p50_ms = row.p99_ms = row.ratio = None
 
 
 # -- statistics -------------------------------------------------------------------------
@@ -197,6 +204,18 @@ def redis_cleanup(env: Env) -> int:
         for start in range(0, len(keys), 500):
             client.delete(*keys[start : start + 500])
         return len(keys)
+    finally:
+        client.close()
+
+
+def failed_tasks(redis_url: str, prefix: str) -> dict[str, str]:
+    """Task name -> "<exception type>: <message>" of its first run that raised, as the
+    benchmark workers record them (the hash ``<prefix>failed``)."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        return client.hgetall(f"{prefix}failed")  # type: ignore[return-value]
     finally:
         client.close()
 

@@ -22,7 +22,16 @@ from typing import Any
 
 import redis
 
-from benchlib.common import Env, Row, scratch_db, start_worker, stop_worker, wait_count
+from benchlib.common import (
+    Env,
+    Row,
+    failed_tasks,
+    mark_failed,
+    scratch_db,
+    start_worker,
+    stop_worker,
+    wait_count,
+)
 
 
 def rows() -> list[Row]:
@@ -166,3 +175,8 @@ def _measure(env: Env, mod: Any, by_id: dict[str, Row]) -> None:
                 f"second worker with taskguard_durable=False; ratio vs the unguarded task "
                 f"in that worker ({relaxed['plain']:,.0f} tasks/s)"
             )
+    failed = failed_tasks(env.redis_url, env.redis_prefix)
+    for row_id, row in by_id.items():
+        task = getattr(mod, row_id.removeprefix("e2e.").removesuffix("_relaxed"), None)
+        if task is not None and task.name in failed:
+            mark_failed([row], failed[task.name])

@@ -4,7 +4,9 @@ Trivial tasks that differ only in their lock: none, taskguard's
 ``@guarded_task(lock="run")`` and ``lock="queue_and_run"`` (taken at publish, like
 celery-once's), and celery-once's ``QueueOnce``. Every finished task
 bumps one Redis counter per task name (same cost for all), which is how the
-benchmark knows when a batch is done without a result backend.
+benchmark knows when a batch is done without a result backend; a task that raised
+also leaves its error (:func:`benchlib.common.failed_tasks`), reported instead of
+its figures.
 
 One more, ``minimal``, takes the minimal correct lock (the pairs section's anchor,
 :class:`benchlib.pairs.MinimalLock`) by hand in its body, prepared, on a psycopg
@@ -128,8 +130,11 @@ def _stub_statements(**_: Any) -> None:
 
 
 @task_postrun.connect
-def _count_done(sender: Any = None, **_: Any) -> None:
+def _count_done(sender: Any = None, state: str = "", retval: Any = None, **_: Any) -> None:
     global _counter
     if _counter is None:  # one client per worker process, made after the fork
         _counter = redis.Redis.from_url(REDIS_URL)
-    _counter.incr(f"{PREFIX}done:{getattr(sender, 'name', '?')}")
+    name = getattr(sender, "name", "?")
+    if state == "FAILURE":  # its row reports this, not a figure (common.failed_tasks)
+        _counter.hsetnx(f"{PREFIX}failed", name, f"{type(retval).__name__}: {retval}")
+    _counter.incr(f"{PREFIX}done:{name}")

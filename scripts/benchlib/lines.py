@@ -13,7 +13,7 @@ counted the same way in this process: ``apply_async`` of the plain task, of a
 ``lock="run"`` task and of a ``lock="queue_and_run"`` task (distinct keys).
 
 The figures are what is compared, not times: the same code gives the same count on
-a loaded machine. The worker side is its own module: ``celery -A benchlib.lines``.
+a loaded machine. A task that raised in the worker fails the run rows, with its error. The worker side is its own module: ``celery -A benchlib.lines``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,15 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from benchlib.common import Env, Row, scratch_db, start_worker, stop_worker
+from benchlib.common import (
+    Env,
+    Row,
+    failed_tasks,
+    mark_failed,
+    scratch_db,
+    start_worker,
+    stop_worker,
+)
 
 SCRIPTS = Path(__file__).resolve().parent.parent
 WARM, RUNS = 50, 100
@@ -162,6 +170,10 @@ def build_app() -> Any:
 
             def run(*args: Any, _traced: Any = traced, _kind: str = kind, **kw: Any) -> Any:
                 result, seen = _traced(*args, **kw)
+                info = getattr(result, "info", None)  # celery's trace_ok_t
+                if info is not None and info.state == "FAILURE":
+                    error = f"{type(info.retval).__name__}: {info.retval}"
+                    results.hsetnx(f"{prefix}failed", f"{prefix}{_kind}", error)
                 results.rpush(f"{prefix}lines:{_kind}", json.dumps(seen))
                 return result
 
@@ -230,6 +242,7 @@ def run(env: Env) -> list[Row]:
                     time.sleep(0.05)
                 samples = [Counter(json.loads(x)) for x in r.lrange(key, WARM, -1)]
                 runs[kind] = _mean(samples)
+            failed = failed_tasks(env.redis_url, prefix)
             published = _publish(the_app)
         except Exception:
             with contextlib.suppress(OSError):
@@ -259,6 +272,9 @@ def run(env: Env) -> list[Row]:
     ratio = by_id["lines.ratio"]
     ratio.rate = added["guarded"] / added["minimal"]
     ratio.unit = "x"
+    why = "; ".join(f"{k} task: {failed[prefix + k]}" for k in KINDS if prefix + k in failed)
+    if why:  # every run row is measured against the others
+        mark_failed([by_id[f"lines.{k}"] for k in (*KINDS, "ratio")], why)
     pub_plain, pub_plain_by = published["plain"]
     by_id["lines.publish_plain"].rate = pub_plain
     for kind, row_id in (("guarded", "publish_run"), ("queue_and_run", "publish_queue_and_run")):

@@ -165,6 +165,14 @@ def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
         "<=",
         "most runs of one feed at once, 1.5 s runs under a 1 s ttl",
     )
+    add(
+        "7. compat: singleton duplicate <= celery-singleton's",
+        ratio("compat.singleton_dup"),
+        1.0,
+        "<=",
+        "p50 time per duplicate (lock refused, then get of the holder's task id), taskguard's "
+        "celery-singleton backend / celery-singleton's Redis backend (section 9)",
+    )
     # -- for information ----------------------------------------------------------------
     add(
         "same box: guarded tasks/s / celery-once's",

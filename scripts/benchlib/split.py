@@ -44,7 +44,16 @@ from typing import Any
 import redis
 
 from benchlib import cpu
-from benchlib.common import SCRIPTS, Env, Row, not_run, start_worker, stop_worker
+from benchlib.common import (
+    SCRIPTS,
+    Env,
+    Row,
+    failed_tasks,
+    mark_failed,
+    not_run,
+    start_worker,
+    stop_worker,
+)
 from taskguard import schema
 from tests.harness.postgres import ThrowawayCluster
 from tests.harness.servers import PrivateRedis
@@ -232,12 +241,17 @@ def run(env: Env) -> list[Row]:
             with _pinned_self(client_core):
                 tallies = _measure(mod, workers, counter, prefix, variants, rounds, per_round,
                                    postmaster, broker, concurrency)  # fmt: skip
+            failed = failed_tasks(broker.url(1), prefix)
         except Exception:
             for w in workers.values():
                 with contextlib.suppress(OSError):
                     sys.stderr.write(w.log.read_text(errors="replace")[-3000:])
             raise
     _report(out, tallies, concurrency)
+    for row in out:
+        task = getattr(mod, VARIANTS[row.id.removeprefix("split.")][0])
+        if task.name in failed:
+            mark_failed([row], failed[task.name])
     return out
 
 
