@@ -35,6 +35,10 @@ except ImportError as exc:  # pragma: no cover - only without the peer installed
 __all__ = ["Backend"]
 
 
+#: The app whose ``ONCE["settings"]`` is a given settings mapping (by identity).
+_APPS: dict[int, tuple[Mapping[str, Any], Any]] = {}
+
+
 class Backend:
     """What ``QueueOnce`` calls: :meth:`raise_or_lock` when a call is published,
     :meth:`clear_lock` when its run ends.
@@ -45,9 +49,14 @@ class Backend:
 
     def __init__(self, settings: Mapping[str, Any]) -> None:
         url = settings.get("url")
-        self._app = configuring_app(
-            lambda conf: (conf.get("ONCE") or {}).get("settings") is settings
-        )
+        # celery-once builds a backend per publish: the app is looked up once per settings.
+        known = _APPS.get(id(settings))
+        if known is None or known[0] is not settings:
+            found = configuring_app(
+                lambda conf: (conf.get("ONCE") or {}).get("settings") is settings
+            )
+            known = _APPS[id(settings)] = (settings, found)
+        self._app = known[1]
         self._url = None if url is None else str(url)
         self._timeout: float = settings.get("default_timeout") or DEFAULT_EXPIRY
         self._wait: float | None = None

@@ -12,6 +12,8 @@ imports celery-singleton: it duck-types its ``BaseBackend``.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from typing import Any
 
 from taskguard.compat import (
@@ -29,6 +31,11 @@ from taskguard.guard import TaskGuard
 __all__ = ["Backend"]
 
 log = logging.getLogger("taskguard")
+
+#: The holder a refused lock() read, per thread: get() of the same key right after (as
+#: celery-singleton answers a duplicate) uses it instead of reading it again.
+_seen = threading.local()
+_SEEN_FOR = 0.5
 
 # clear(): live leases read and ended per round.
 _CLEAR_BATCH = 1000
@@ -74,6 +81,8 @@ class Backend:
         not a lock that never expires."""
         ttl = DEFAULT_EXPIRY if expiry is None else expiry
         attempt = self.guard.try_acquire(lock, ttl, task_name=calling_task_name(), task_id=task_id)
+        if attempt.lease is None:  # celery-singleton asks get() for the holder next
+            _seen.last = (lock, attempt.holder, time.monotonic())
         return attempt.lease is not None
 
     def unlock(self, lock: str) -> None:
@@ -99,7 +108,12 @@ class Backend:
         """The task id that holds ``lock`` now, or ``None``; the lease's owner id if
         its holder recorded no task id (taken outside celery-singleton): ``Singleton``
         asks again for as long as this is ``None`` while the lock is held."""
-        info = self.guard.get(lock)
+        seen, _seen.last = getattr(_seen, "last", None), None
+        fresh = seen is not None and seen[0] == lock and time.monotonic() - seen[2] < _SEEN_FOR
+        # The holder the refused lock() just read, in this thread, if any; else read now.
+        info = (
+            seen[1] if fresh and seen is not None and seen[1] is not None else self.guard.get(lock)
+        )
         if info is None or not info.held:
             return None
         return info.holder.task_id or info.owner
