@@ -256,9 +256,11 @@ class PostgreSQL(Dialect):
         return token_sequence.next_value()
 
     def quick_commit(self) -> ColumnElement[bool]:
-        # An uncorrelated subquery: evaluated once, before the row is touched. Inline
-        # text, so the hot release binds no extra parameters.
-        return select(literal_column(QUICK_COMMIT)).scalar_subquery().is_not(None)
+        # A plain condition, evaluated for the rows the statement matches (a no-op
+        # elsewhere: a statement that changes nothing commits nothing). As a scalar
+        # subquery it cost each release an InitPlan to set up: about 8,500 of its
+        # server's instructions, 3% of a pair. Inline text: no extra parameters.
+        return literal_column(QUICK_COMMIT).is_not(None)
 
     def reap_sql(self, history: bool) -> str:
         return _REAP.format(events=_REAP_EVENTS if history else "", quick=QUICK_COMMIT)
