@@ -7,7 +7,8 @@ commit without waiting (docs/reliability.md), and so do a waiter's announcements
 its place in line (renewed every 0.5 s). A release that also takes a marker
 (a Celery run's finished record) commits like a release. Counted with pg_stat_wal: a backend
 reports its WAL syncs when it exits, and the WAL writer flushes the asynchronous
-commits in a few syncs of its own.
+commits in a few syncs of its own. A refused acquire never waits either (the lean
+one locks the live row to be refused, so it commits; the full one only reads).
 """
 
 from __future__ import annotations
@@ -81,6 +82,11 @@ def test_grants_and_renewals_wait_for_the_flush_releases_and_reaps_do_not(pg_url
             assert lease is not None
             assert guard.release(lease, marker=Marker(f"done:{attempt}:{i}", 60))
 
+    def refusals(guard: TaskGuard) -> None:
+        # Each key's first attempt: the lean acquire, which locks the live row to be
+        # refused (a write transaction that must not wait), then the full one (a read).
+        assert not any(guard.acquire(f"wal:{i}", 60) for i in range(N))
+
     def places_in_line(guard: TaskGuard) -> None:
         # A waiter's place in line, taken and given up: renewed every 0.5 s while it
         # waits, so one lost in a crash is announced again at once.
@@ -115,11 +121,13 @@ def test_grants_and_renewals_wait_for_the_flush_releases_and_reaps_do_not(pg_url
     releases = _fewest_syncs(pg_url, fresh_leases, release, N * 0.25)
     reaps = _fewest_syncs(pg_url, expired_rows, reap, N * 0.25)
     places = _fewest_syncs(pg_url, fresh_leases, places_in_line, N * 0.5)
+    refused = _fewest_syncs(pg_url, fresh_leases, refusals, N * 0.25)
     # Each pair's grant waits; the release with its marker does not.
     pairs = _fewest_syncs(pg_url, free_keys, release_marking, N * 1.25)
     print(
         f"WAL syncs: grants {grants}, renewals {renewals}, releases {releases}, "
-        f"reaps {reaps}, grant + marking release pairs {pairs}, places in line {places}"
+        f"reaps {reaps}, grant + marking release pairs {pairs}, places in line {places}, "
+        f"refusals {refused}"
     )
     # Each durable commit flushes (a concurrent commit may share a flush: allow a few).
     assert N * 0.8 <= pairs < N * 1.25, pairs
@@ -127,3 +135,4 @@ def test_grants_and_renewals_wait_for_the_flush_releases_and_reaps_do_not(pg_url
     # Only the WAL writer's periodic flushes (every wal_writer_delay, 200 ms by default).
     assert releases < N * 0.25 and reaps < N * 0.25, (releases, reaps)
     assert places < N * 0.5, places  # 2 N statements, none waiting for the flush
+    assert refused < N * 0.25, refused
