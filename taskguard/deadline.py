@@ -156,9 +156,10 @@ class _Watchdog:
         return self._add(Watch(min(time.monotonic() + seconds, _DEADLINE.get() or math.inf), fd))
 
     def keep(self, fd: int | None) -> Watch | None:
-        """A watch for a connection's socket, unarmed: :meth:`arm` it per statement
-        (and set its ``deadline`` back to ``math.inf`` after); :meth:`stop` it before
-        the connection closes."""
+        """A watch for a connection's socket, unarmed. Arm it per statement by setting
+        its ``deadline`` (and :meth:`poke` the thread when that is before
+        :attr:`wake_at`), disarm it by setting ``math.inf``; :meth:`stop` it before the
+        connection closes."""
         return None if fd is None or fd < 0 else self._add(Watch(math.inf, fd))
 
     def _add(self, w: Watch) -> Watch:
@@ -172,13 +173,6 @@ class _Watchdog:
             elif w.deadline < self.wake_at:
                 self._cond.notify()
         return w
-
-    def arm(self, w: Watch, deadline: float) -> None:
-        """Shut ``w``'s socket down at ``deadline`` unless disarmed first (inlined on
-        the storage layer's hot path: keep the two in step)."""
-        w.deadline = deadline
-        if deadline < self.wake_at:
-            self.poke()
 
     def poke(self) -> None:
         """Make the thread look at the deadlines again now."""

@@ -199,11 +199,7 @@ class TaskGuard(AsyncLeases):
         holder = holder_for(self.hostname, task_name, task_id, hostname, pid, slot)
         store = self._store
         if limit == 1 and min_hold is None and wait is None and type(limit) is int:
-            values = store.grant_values(key, slot, new_owner(), seconds, holder, 1, unless)
-            lease, seen = store.grant_seeing(values, seconds)
-            if lease is not None and not self.history:
-                return Attempt(lease, None)
-            return self._outcome(lease, values, holder, None, seen, record_refusal)
+            return self.take(key, seconds, holder, unless, record_refusal, slot)
         n = validate_limit(limit, slot)
         hold = optional_seconds(min_hold, "min_hold")
         waiting = optional_seconds(wait, "wait")
@@ -291,11 +287,12 @@ class TaskGuard(AsyncLeases):
         holder: Holder,
         unless: str | None = None,
         record_refusal: bool = True,
+        slot: int = 0,
     ) -> Attempt:
         """:meth:`try_acquire` of one slot for an integration's run, whose key is
         stored form (:func:`~taskguard.keys.normalize_key`), ``seconds`` validated and
         ``holder`` complete: nothing is validated again (this is every run's path)."""
-        values = self._store.grant_values(key, 0, new_owner(), seconds, holder, 1, unless)
+        values = self._store.grant_values(key, slot, new_owner(), seconds, holder, 1, unless)
         lease, seen = self._store.grant_seeing(values, seconds)
         if lease is not None and not self.history:
             return Attempt(lease, None)

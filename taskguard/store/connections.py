@@ -211,7 +211,7 @@ class Executor:
                     return self._on_cursor(_execute_either, stmt, values, self.dialect.prepares)
                 return self._on_cursor(_execute, stmt, stmt.params(values), values)
         # This thread's pinned connection (the common case), inline: its watch armed
-        # (watchdog.arm, inlined), the statement run, the watch disarmed.
+        # (see watchdog.keep), the statement run, the watch disarmed.
         watch, now = pinned.watch, time.monotonic()
         until = min(deadline or now + DEFAULT_STATEMENT_LIMIT, _DEADLINE.get() or math.inf)
         if until <= now:
@@ -363,6 +363,11 @@ def _execute_either(
     return _execute(cur, stmt, stmt.params(values), values)
 
 
+def _unpin(conn: Any, watch: Watch | None) -> None:
+    watchdog.stop(watch)
+    _give_back(conn)
+
+
 def _give_back(conn: Any) -> None:
     with contextlib.suppress(Exception):
         conn.close()
@@ -381,11 +386,13 @@ class _Pinned:
         self.fd = fd
         #: Its watch, armed per statement (None: no socket to watch, e.g. SQLite).
         self.watch = watchdog.keep(fd)
-        self._finalizer = weakref.finalize(self, _give_back, conn)
+        # A dead thread's pin: its watch leaves the watchdog before the socket closes.
+        self._finalizer = weakref.finalize(self, _unpin, conn, self.watch)
         self._finalizer.atexit = False  # a forked child must never close its parent's socket
 
     def drop(self, exc: BaseException | None = None) -> None:
         watchdog.stop(self.watch)
+        self.watch = None
         conn, self.conn = self.conn, None
         self._finalizer.detach()
         if conn is None:

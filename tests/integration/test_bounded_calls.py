@@ -6,6 +6,7 @@ end the call as OutcomeUnknown within the bound, never a hang and never a succes
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ from taskguard import (
     TaskGuard,
     schema,
 )
-from taskguard.deadline import call_limit
+from taskguard.deadline import call_limit, watchdog
 from tests.harness.postgres import ReplicatedPair, ThrowawayCluster
 from tests.harness.proxy import FaultProxy
 
@@ -340,3 +341,29 @@ def test_opening_a_connection_ends_by_the_call_timeout(
                 assert guard.acquire("unanswered", 30) is not None
         finally:
             guard.dispose()
+
+
+@pytest.mark.postgres
+def test_a_finished_threads_pinned_connection_leaves_the_watchdog(pg_url: str) -> None:
+    """Each thread that pins a connection keeps one unarmed watch on its socket; when
+    the thread ends (its pin is garbage-collected) the watch leaves the watchdog
+    before the socket closes, so no dead entry (and no fd that may be reused) stays."""
+    guard = TaskGuard(pg_url, pool_size=4)
+    try:
+        before = len(watchdog._active)
+
+        def work(i: int) -> None:
+            lease = guard.acquire(f"watchdog:{i}", 30)
+            assert lease is not None and guard.release(lease)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        del threads
+        gc.collect()
+        assert len(watchdog._active) == before
+        assert all(w.deadline == float("inf") for w in watchdog._active.values())
+    finally:
+        guard.dispose()
