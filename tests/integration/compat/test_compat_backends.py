@@ -172,6 +172,35 @@ def test_singleton_lock_get_unlock(
     assert lease is not None and backend.get("SINGLETONLOCK_api") == lease.owner
 
 
+def test_singleton_duplicate_is_answered_with_the_holder_its_refusal_read(
+    app: Celery, db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """celery-singleton answers a duplicate with lock() then get(): the refused lock()
+    read the holder already, so get() right after (same thread, same key) sends no
+    statement; any other get() reads the database."""
+    backend = SingletonBackend(db_url)
+    assert backend.lock("SINGLETONLOCK_dup", "task-1") is True
+    store = backend.guard._store
+    sent: list[str] = []
+    run = store.run
+
+    def counted(stmt: Any, values: Any, deadline: float | None = None) -> Any:
+        sent.append(stmt.sql)
+        return run(stmt, values, deadline)
+
+    monkeypatch.setattr(store, "run", counted)
+    assert backend.lock("SINGLETONLOCK_dup", "task-2") is False
+    refusal = len(sent)
+    assert backend.get("SINGLETONLOCK_dup") == "task-1"
+    assert len(sent) == refusal  # answered from the refusal
+    backend.unlock("SINGLETONLOCK_dup")
+    assert backend.get("SINGLETONLOCK_dup") is None  # read afresh: released
+    assert backend.lock("SINGLETONLOCK_dup", "task-3") is True
+    assert backend.lock("SINGLETONLOCK_other", "task-4") is True
+    assert backend.lock("SINGLETONLOCK_other", "task-5") is False
+    assert backend.get("SINGLETONLOCK_dup") == "task-3"  # another key: read, not the cache
+
+
 def test_singleton_clear_takes_the_prefix_literally(app: Celery, db_url: str) -> None:
     """``SINGLETONLOCK_`` as a LIKE pattern would also match ``SINGLETONLOCKx…``."""
     backend = SingletonBackend(db_url)
