@@ -42,8 +42,14 @@ class AsyncLeases:
     release: Callable[..., bool]
     renew: Callable[..., bool]
     # The lease threads, made on first use and again in a forked child (the parent's
-    # threads do not survive a fork); they end with the guard.
+    # threads do not survive a fork); they end with dispose() or with the guard.
     _lease_threads: tuple[int, ThreadPoolExecutor] | None = None
+
+    def _end_lease_threads(self) -> None:
+        """Let the lease threads exit (a call still queued is cancelled)."""
+        threads, self._lease_threads = self._lease_threads, None
+        if threads is not None and threads[0] == os.getpid():
+            threads[1].shutdown(wait=False, cancel_futures=True)
 
     async def _off_loop(self, sync: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         if kwargs.get("wait"):  # blocks its thread for the whole wait

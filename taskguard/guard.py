@@ -482,5 +482,7 @@ class TaskGuard(AsyncLeases):
         return self._store.db_now()
 
     def dispose(self) -> None:
-        """Close the guard's connections (only if it created its own engine)."""
+        """Close the guard's connections (only if it created its own engine) and end
+        its asyncio lease threads."""
+        self._end_lease_threads()
         self._store.dispose()

@@ -69,6 +69,23 @@ def test_async_calls_in_a_forked_child(pg_guard: TaskGuard) -> None:
     assert child.exitcode == 0
 
 
+def test_dispose_ends_the_lease_threads(guard: TaskGuard) -> None:
+    """``dispose()`` leaves no thread of the guard's behind (a worker that disposes its
+    guard at shutdown must not keep idle threads)."""
+
+    def lease_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("taskguard-aio")]
+
+    lease = asyncio.run(guard.aacquire("dispose:1", 30))
+    assert lease is not None and asyncio.run(guard.arelease(lease))
+    assert lease_threads()
+    guard.dispose()
+    deadline = time.monotonic() + 10
+    while lease_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not lease_threads()
+
+
 @pytest.mark.postgres
 def test_event_loop_lag_with_100_coroutines(pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """100 coroutines on their own keys take, renew and release leases (10 rounds, about
