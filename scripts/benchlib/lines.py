@@ -1,10 +1,11 @@
 """Section 8: Python lines executed per run and per publish (deterministic; issue 34).
 
 A worker (``celery worker -P prefork -c 1``, RabbitMQ, PostgreSQL) runs delivered
-messages of three trivial tasks: ``plain``; ``minimal``, the minimal correct lock by
+messages of four trivial tasks: ``plain``; ``minimal``, the minimal correct lock by
 hand in its body (a prepared ``INSERT … ON CONFLICT … DO UPDATE … WHERE expired``
 upsert and an owner-checked ``DELETE``, psycopg, autocommit: :class:`benchlib.pairs.
-MinimalLock`); and ``guarded``, ``@guarded_task(lock="run")`` with its defaults. In the
+MinimalLock`); ``guarded``, ``@guarded_task(lock="run")`` with its defaults; and
+``queue_and_run``, whose run adopts the lease its publish took. In the
 pool process each task's tracer (the function Celery's ``build_tracer`` made, which the
 pool calls per message) is wrapped to count ``sys.settrace`` 'line' events in that
 thread, by the file they run in (taskguard, stdlib, psycopg, sqlalchemy, celery and
@@ -42,11 +43,13 @@ from benchlib.common import (
 
 SCRIPTS = Path(__file__).resolve().parent.parent
 WARM, RUNS = 50, 100
-KINDS = ("plain", "minimal", "guarded")
+KINDS = ("plain", "minimal", "guarded", "queue_and_run")
 PUBLISHED = ("plain", "guarded", "queue_and_run")
 _STDLIB = sysconfig.get_paths()["stdlib"]
-#: TGLINES_DETAIL=1: count by function too, and print the largest differences (diagnosis).
+#: TGLINES_DETAIL=1: count by function too, and print the largest differences (diagnosis;
+#: TGLINES_TOP of them, default 60).
 DETAIL = os.environ.get("TGLINES_DETAIL") == "1"
+TOP = int(os.environ.get("TGLINES_TOP", "60"))
 
 
 def rows() -> list[Row]:
@@ -60,6 +63,7 @@ def rows() -> list[Row]:
         r("minimal", "lines the minimal correct lock by hand adds to a run"),
         r("guarded", 'lines @guarded_task(lock="run") adds to a run'),
         r("ratio", "guarded / minimal (added lines; issue 34 target <= 1.5)"),
+        r("queue_and_run", 'lines a lock="queue_and_run" task adds to a run (adopting its lease)'),
         r("publish_plain", "apply_async of a plain task"),
         r("publish_run", 'lines apply_async of a lock="run" task adds (target <= 60)'),
         r("publish_queue_and_run", 'lines apply_async of a lock="queue_and_run" task adds'),
@@ -179,8 +183,8 @@ def build_app() -> Any:
 
             task.__trace__ = run
 
-    app.lines_tasks = {"plain": plain, "minimal": minimal, "guarded": guarded}  # type: ignore[attr-defined]
-    app.lines_tasks["queue_and_run"] = queue_and_run  # type: ignore[attr-defined]
+    tasks = (plain, minimal, guarded, queue_and_run)
+    app.lines_tasks = dict(zip(KINDS, tasks, strict=True))  # type: ignore[attr-defined]
     return app
 
 
@@ -203,7 +207,7 @@ def _split(by: dict[str, float], ref: dict[str, float]) -> str:
     text = ", ".join(f"{k} {by.get(k, 0) - ref.get(k, 0):+.0f}" for k in keys)
     if DETAIL:
         diff = {k: by.get(k, 0) - ref.get(k, 0) for k in set(by) | set(ref) if " " in k}
-        top = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:60]
+        top = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:TOP]
         text += "".join(f"\n    {v:+6.0f} {k}" for k, v in top if round(v))
     return text
 
@@ -262,7 +266,7 @@ def run(env: Env) -> list[Row]:
         f"{k} {v:.0f}" for k, v in plain_by.items() if " " not in k
     )
     added = {}
-    for kind in ("minimal", "guarded"):
+    for kind in ("minimal", "guarded", "queue_and_run"):
         total, by = runs[kind]
         added[kind] = total - plain_total
         row = by_id[f"lines.{kind}"]
