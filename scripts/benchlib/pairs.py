@@ -39,6 +39,11 @@ TTL = 60.0
 # through a pooler it sends unnamed ones. A threshold never reached forces the latter
 # here, to show what the pooler-safe mode costs on the same connection.
 UNNAMED: dict[str, Any] = {"connect_args": {"prepare_threshold": 2**31 - 1}}
+# psycopg's own threshold, forced: named statements through a pooler, which only a
+# PgBouncer >= 1.21 with max_prepared_statements set keeps apart per client.
+NAMED: dict[str, Any] = {"connect_args": {"prepare_threshold": 5}}
+#: A pgbouncer >= 1.21 binary (the Debian one is 1.18): the row behind it runs only when set.
+PREPARED_BIN_VAR = "TASKGUARD_BENCH_PGBOUNCER_PREPARED_BIN"
 
 
 class Contestant:
@@ -357,6 +362,11 @@ def rows() -> list[Row]:
         r("taskguard", "taskguard acquire+release", "minimal"),
         r("taskguard_unnamed", "taskguard, unnamed statements (as via a pooler)", "taskguard"),
         r("taskguard_pgbouncer_tx", "taskguard via PgBouncer (transaction)", "taskguard"),
+        r(
+            "taskguard_pgbouncer_prepared",
+            "taskguard via PgBouncer (transaction, max_prepared_statements), named statements",
+            "taskguard",
+        ),
         r("raw_sql_relaxed", "raw SQL, synchronous_commit=off", "pg_floor"),
         r("taskguard_relaxed", "taskguard durable=False", "raw_sql_relaxed"),
         r("pg_advisory", "pg_try_advisory_lock + unlock", "pg_floor"),
@@ -384,6 +394,26 @@ def run(env: Env) -> list[Row]:
                 bouncer.append(stack.enter_context(PgBouncer(port, pool_mode="transaction")))
             return TaskGuardPair(row, bouncer[0].via(url), durable=True)
 
+        prepared_bin = os.environ.get(PREPARED_BIN_VAR)
+
+        def via_pgbouncer_prepared(row: Row) -> Contestant:
+            # A second PgBouncer, from that binary, tracking each client's named statements.
+            port = make_url(url).port or 5432
+            pooler = stack.enter_context(
+                PgBouncer(
+                    port,
+                    pool_mode="transaction",
+                    settings={"max_prepared_statements": "100"},
+                    binary=prepared_bin,
+                )
+            )
+            return TaskGuardPair(row, pooler.via(url), durable=True, **NAMED)
+
+        if not prepared_bin:
+            not_run(
+                [r for r in out if r.id == "pair.taskguard_pgbouncer_prepared"],
+                f"set {PREPARED_BIN_VAR} to a pgbouncer >= 1.21 binary",
+            )
         maria = stack.enter_context(maria_scratch_db(env, "pairs"))
         makers: dict[str, Callable[[Row], Contestant]] = {
             "pair.maria_floor": lambda row: MariaSelectOne(row, maria),
@@ -396,6 +426,7 @@ def run(env: Env) -> list[Row]:
             "pair.taskguard": lambda row: TaskGuardPair(row, url, durable=True),
             "pair.taskguard_unnamed": lambda row: TaskGuardPair(row, url, durable=True, **UNNAMED),
             "pair.taskguard_pgbouncer_tx": via_pgbouncer,
+            "pair.taskguard_pgbouncer_prepared": via_pgbouncer_prepared,
             "pair.raw_sql_relaxed": lambda row: RawSql(row, url, durable=False),
             "pair.taskguard_relaxed": lambda row: TaskGuardPair(row, url, durable=False),
             "pair.pg_advisory": lambda row: PgAdvisory(row, url),
@@ -403,7 +434,8 @@ def run(env: Env) -> list[Row]:
             "pair.celery_once": lambda row: CeleryOnceRedis(row, env),
             "pair.celery_singleton": lambda row: CelerySingletonRedis(row, env),
         }
-        measure_rows(out, makers, rounds, per_round, warmup, admin_url=url)
+        runnable = [r for r in out if r.status == "ok"]
+        measure_rows(runnable, makers, rounds, per_round, warmup, admin_url=url)
     return out
 
 

@@ -212,7 +212,17 @@ def targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
         ),
         None,
         "<=",
-        "PostgreSQL CPU per pair through PgBouncer 1.18 / direct",
+        "PostgreSQL CPU per pair through the system's PgBouncer (unnamed statements) / direct",
+    )
+    add(
+        "behind PgBouncer >= 1.21 (max_prepared_statements), named: pair PostgreSQL CPU / direct",
+        _extra_ratio(
+            by_id, "pair.taskguard_pgbouncer_prepared", "pair.taskguard", "server_cpu_us_per_pair"
+        ),
+        None,
+        "<=",
+        "PostgreSQL CPU per pair through the PgBouncer TASKGUARD_BENCH_PGBOUNCER_PREPARED_BIN "
+        "names, prepare_threshold=5 / direct",
     )
     for name, field in (("client CPU", "client_added_us"), ("PostgreSQL CPU", "postgres_added_us")):
         add(

@@ -1,8 +1,9 @@
 """A private PgBouncer process in front of a PostgreSQL server.
 
-Runs the Debian package's binary (``scripts/services.sh`` installs it) with its own
-config, auth file, pid file, log and unix socket directory in a temp dir, on a free
-loopback port, as the ``postgres`` OS user when we are root (it refuses root).
+Runs the Debian package's binary (``scripts/services.sh`` installs it), or the
+``binary`` given, with its own config, auth file, pid file, log and unix socket
+directory in a temp dir, on a free loopback port, as the ``postgres`` OS user when
+we are root (it refuses root).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class PgBouncer(PrivateServer):
     """``with PgBouncer(5432, pool_mode="transaction") as b: b.url("db")``.
 
     ``server_port``/``server_host``: the PostgreSQL server behind it (trust auth,
-    user ``postgres``). ``settings`` are extra ``[pgbouncer]`` lines.
+    user ``postgres``). ``settings`` are extra ``[pgbouncer]`` lines. ``binary``: a
+    pgbouncer binary other than the default one (e.g. a newer release built by hand).
     """
 
     def __init__(
@@ -48,7 +50,9 @@ class PgBouncer(PrivateServer):
         pool_mode: str = "transaction",
         default_pool_size: int = 5,
         settings: dict[str, str] | None = None,
+        binary: str | None = None,
     ) -> None:
+        self.binary = binary
         self.server_host = server_host
         self.server_port = server_port
         self.pool_mode = pool_mode
@@ -95,7 +99,7 @@ class PgBouncer(PrivateServer):
     def start(self, timeout: float = 20.0) -> None:
         # Foreground process (no -d): we own its pid and can always stop it.
         self.proc = subprocess.Popen(
-            as_user(_OS_USER, [_binary(), str(self.config)]),
+            as_user(_OS_USER, [self.binary or _binary(), str(self.config)]),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
