@@ -14,7 +14,8 @@ counted the same way in this process: ``apply_async`` of the plain task, of a
 ``lock="run"`` task and of a ``lock="queue_and_run"`` task (distinct keys).
 
 The figures are what is compared, not times: the same code gives the same count on
-a loaded machine. A task that raised in the worker fails the run rows, with its error. The worker side is its own module: ``celery -A benchlib.lines``.
+a loaded machine. A task that raised in the worker fails the run rows, with its
+error. The worker side is its own module: ``celery -A benchlib.lines``.
 """
 
 from __future__ import annotations
@@ -266,7 +267,7 @@ def run(env: Env) -> list[Row]:
         f"{k} {v:.0f}" for k, v in plain_by.items() if " " not in k
     )
     added = {}
-    for kind in ("minimal", "guarded", "queue_and_run"):
+    for kind in KINDS[1:]:
         total, by = runs[kind]
         added[kind] = total - plain_total
         row = by_id[f"lines.{kind}"]

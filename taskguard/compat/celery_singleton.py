@@ -109,11 +109,11 @@ class Backend:
         its holder recorded no task id (taken outside celery-singleton): ``Singleton``
         asks again for as long as this is ``None`` while the lock is held."""
         seen, _seen.last = getattr(_seen, "last", None), None
-        fresh = seen is not None and seen[0] == lock and time.monotonic() - seen[2] < _SEEN_FOR
         # The holder the refused lock() just read, in this thread, if any; else read now.
-        info = (
-            seen[1] if fresh and seen is not None and seen[1] is not None else self.guard.get(lock)
-        )
+        if seen is not None and seen[0] == lock and time.monotonic() - seen[2] < _SEEN_FOR:
+            info = seen[1] or self.guard.get(lock)
+        else:
+            info = self.guard.get(lock)
         if info is None or not info.held:
             return None
         return info.holder.task_id or info.owner

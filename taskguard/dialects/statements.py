@@ -13,7 +13,6 @@ from sqlalchemy import (
     and_,
     bindparam,
     case,
-    false,
     literal_column,
     null,
     or_,
@@ -341,8 +340,10 @@ def _acquire(d: Dialect, fl: Flavor, unless: bool = False, lean: bool = False) -
         # transaction, committed without waiting for the WAL flush (nothing of it
         # needs to survive a crash). A key once refused goes to the full statement
         # first (Store.grant), so a duplicate storm is refused by its reads.
-        refused = ~q if (q := d.quick_commit()) is not None else false()
-        condition: ColumnElement[bool] = case((_lean_free(fl), true()), else_=refused)
+        q = d.quick_commit()
+        condition: ColumnElement[bool] = (
+            _lean_free(fl) if q is None else case((_lean_free(fl), true()), else_=~q)
+        )
     else:
         takeover.update(_used_up(ins.excluded.owner))
         condition = _free(fl, ins.excluded.owner)
