@@ -84,6 +84,10 @@ def test_dispose_ends_the_lease_threads(guard: TaskGuard) -> None:
     while lease_threads() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not lease_threads()
+    # Like an engine after dispose(): the guard still works, on threads of its own again.
+    lease = asyncio.run(guard.aacquire("dispose:2", 30))
+    assert lease is not None and asyncio.run(guard.arelease(lease))
+    assert lease_threads()
 
 
 @pytest.mark.postgres
