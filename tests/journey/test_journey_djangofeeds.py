@@ -4,7 +4,7 @@ fresh virtualenv (the README's install line), on SQLite, PostgreSQL and MariaDB:
 - SQLite: the embedded default, ``python manage.py import_feeds``;
 - PostgreSQL: the README's command (Redis broker and results), then separate
   workers as the README says: ``celery -A feedsite worker -Q djangofeeds`` and
-  ``python manage.py import_feeds --no-worker``;
+  ``python manage.py import_feeds --no-worker --feeds 1``;
 - MariaDB: the same with ``DJANGOFEEDS_DATABASE=mysql://...``, i.e. Django's
   ``django.db.backends.mysql`` ENGINE (after the README's MariaDB install line,
   the extra docs/mariadb.md names);
@@ -91,10 +91,10 @@ def _explain(page: Page, env_prefix: str = "") -> None:
 
 def _separate_workers(page: Page, env_prefix: str) -> None:
     """The README: `celery -A feedsite worker -Q djangofeeds` with the same
-    environment, and `python manage.py import_feeds --no-worker`."""
+    environment, and `python manage.py import_feeds --no-worker --feeds 1`."""
     [(_, ready)] = BACKGROUND.items()
     page.start(f"{env_prefix}celery -A feedsite worker -Q djangofeeds", ready)
-    done = page.shell(f"{env_prefix}python manage.py import_feeds --no-worker")
+    done = page.shell(f"{env_prefix}python manage.py import_feeds --no-worker --feeds 1")
     assert done.returncode == 0 and OK in done.stdout, done.stdout + done.stderr
     log = page.background_log()
     assert "is held by owner" in log, log[-3000:]  # conflicts logged with the holder
