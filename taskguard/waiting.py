@@ -32,15 +32,17 @@ the earliest first announcement takes the lead back.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
+from contextvars import ContextVar
 
 from taskguard.dialects import RESERVE_GRACE
 from taskguard.exceptions import TaskGuardError
 from taskguard.lease import Lease
 from taskguard.store import Store, WaitRow
 
-__all__ = ["POLL_MAX", "POLL_MIN", "RECHECK", "RENEW_EVERY", "RESERVATION", "wait_for"]
+__all__ = ["POLL_MAX", "POLL_MIN", "RECHECK", "RENEW_EVERY", "RESERVATION", "abandoned", "wait_for"]
 
 log = logging.getLogger("taskguard")
 
@@ -56,6 +58,9 @@ RESERVATION = 2.0
 RENEW_EVERY = RESERVATION / 4
 # Wake a little after a lease's expiry, so the retry sees it expired.
 _AFTER_EXPIRY = 0.002
+#: Set once the caller has stopped waiting (asyncio: its task was cancelled): the
+#: wait ends at its next wake-up, without another attempt, and leaves the line.
+abandoned: ContextVar[threading.Event | None] = ContextVar("taskguard_wait_abandoned", default=None)
 
 
 def _next_try(rows: list[WaitRow], limit: int, owner: str) -> float:
@@ -86,6 +91,7 @@ def wait_for(
     """Retry ``attempt`` (an acquire as ``owner`` of one of ``slots``) until it
     grants or ``timeout`` seconds pass; the first attempt has already failed."""
     deadline = time.monotonic() + timeout
+    gone = abandoned.get() or threading.Event()
     listener = store.waiters.listener()
     since: object = None
     announced = False
@@ -94,7 +100,7 @@ def wait_for(
     poll = POLL_MIN
     due = 0.0  # monotonic time of the next attempt
     try:
-        while (remaining := deadline - time.monotonic()) > 0:
+        while (remaining := deadline - time.monotonic()) > 0 and not gone.is_set():
             rows, since = store.waiters.announce(
                 key, slots, owner, since, min(remaining, RESERVATION)
             )
@@ -117,11 +123,11 @@ def wait_for(
                 else:
                     head = any(r[3] == owner for r in rows)
                     cap = RESERVE_GRACE / 4 if head else poll
-                    time.sleep(min(nap, cap))
+                    gone.wait(min(nap, cap))
                     poll = min(poll * 2, POLL_MAX)
                     due = min(due, time.monotonic())
-            if time.monotonic() < due:
-                continue  # woken only to renew the place in line
+            if time.monotonic() < due or gone.is_set():
+                continue  # woken only to renew the place in line (or abandoned)
             lease = attempt()
             if lease is not None:
                 return lease
