@@ -87,7 +87,7 @@ class AsyncLeases:
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.wait([running])
             if not running.cancelled() and running.exception() is not None:
-                log.debug("call of a cancelled caller failed: %s", running.exception())
+                log.debug("a cancelled call failed on its thread: %s", running.exception())
             raise
 
     async def aacquire(self, key: str, ttl: float | timedelta, **options: Any) -> Lease | None:
