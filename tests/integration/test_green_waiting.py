@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import psycopg
 import pytest
 
 pytestmark = pytest.mark.postgres
@@ -60,3 +61,53 @@ def test_a_waiter_lets_the_other_greenlets_run(pg_url: str, library: str) -> Non
     # Up to 200 ticks; a waiter that blocks the hub leaves a handful.
     assert int(during) >= 50, out.stdout
     assert granted == "True" and float(handed_over) < 2.0, out.stdout
+
+
+DEADLINE_SCRIPT = """
+import sys, time
+library, url = sys.argv[1], sys.argv[2]
+if library == "eventlet":
+    import eventlet
+    eventlet.monkey_patch()
+else:
+    from gevent import monkey
+    monkey.patch_all()
+from taskguard import TaskGuard, TaskGuardError
+from taskguard.deadline import call_limit
+
+guard = TaskGuard(url)
+guard.release(guard.acquire("warm-up", 30))
+print("ready", flush=True)
+sys.stdin.readline()  # the table is locked now
+began = time.monotonic()
+try:
+    with call_limit(1.0):
+        guard.acquire("stuck", 30)
+    print("granted", round(time.monotonic() - began, 3))
+except TaskGuardError as exc:
+    print(type(exc).__name__, round(time.monotonic() - began, 3))
+"""
+
+
+@pytest.mark.parametrize("library", ["eventlet", "gevent"])
+def test_the_watchdog_cuts_a_hung_statement(pg_url: str, library: str) -> None:
+    """The statement watchdog is a greenlet there too: it runs while a statement
+    waits, and shuts the overdue socket down."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DEADLINE_SCRIPT, library, pg_url],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stdin is not None
+    with psycopg.connect(pg_url.replace("+psycopg", "")) as conn:
+        try:
+            assert proc.stdout.readline().strip() == "ready", proc.communicate(timeout=30)
+            conn.execute("LOCK TABLE task_locks IN ACCESS EXCLUSIVE MODE")
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            out, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+    print(f"{library}: {out.strip()}")
+    outcome, took = out.split()
+    assert outcome in ("OutcomeUnknown", "DatabaseUnavailable"), err[-3000:]
+    assert float(took) < 1.0 + 3.0, out

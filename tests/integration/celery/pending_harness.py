@@ -43,6 +43,7 @@ class PendingEnv:
     runs_url: str
     broker: str = "redis"
     lock_url: str = ""
+    pool: str = "prefork"
 
     def task(self, name: str) -> Any:
         return self.app.tasks[name]
@@ -108,7 +109,7 @@ def running_env(
             app_module, broker_url, lock_url, concurrency, pool, queue=queue,
             result_backend=REDIS_URL, env={"TG_RUNS_URL": runs_url, **(worker_env or {})},
         ) as worker:  # fmt: skip
-            yield PendingEnv(store, app, worker, guard, runs_url, broker, lock_url)
+            yield PendingEnv(store, app, worker, guard, runs_url, broker, lock_url, pool)
     finally:
         guard.dispose()
         app.close()

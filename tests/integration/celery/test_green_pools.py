@@ -40,7 +40,6 @@ def green_env(request: pytest.FixtureRequest) -> Iterator[PendingEnv]:
         request, "postgresql", app_module="tg_matrix_app", app_factory=make_app,
         concurrency=20, pool=request.param,
     ) as env:  # fmt: skip
-        env.store = request.param  # names the pool in key ids and messages
         yield env
 
 
@@ -84,7 +83,7 @@ def test_a_storm_on_a_green_pool_runs_one_run_per_key_at_a_time(
     log = genv.worker.log_text()
     problems += [line for line in log.splitlines() if "lost lock" in line][:10]
     print(
-        f"\n{genv.store}/{strategy}: {len(outcomes['ran'])} ran, {len(outcomes['skipped'])} "
+        f"\n{genv.pool}/{strategy}: {len(outcomes['ran'])} ran, {len(outcomes['skipped'])} "
         f"skipped in {took:.1f}s; hand-over median {median(gaps) if gaps else 0:.3f}s"
     )
     assert not problems, "\n".join(problems)
