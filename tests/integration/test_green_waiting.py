@@ -5,11 +5,15 @@ and the release wakes the waiter."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
+from collections.abc import Iterator
 
+import MySQLdb
 import psycopg
 import pytest
+from sqlalchemy.engine import make_url
 
 pytestmark = pytest.mark.postgres
 
@@ -89,25 +93,70 @@ except TaskGuardError as exc:
 """
 
 
-@pytest.mark.parametrize("library", ["eventlet", "gevent"])
-def test_the_watchdog_cuts_a_hung_statement(pg_url: str, library: str) -> None:
+@contextlib.contextmanager
+def _table_locked(store: str, url: str) -> Iterator[None]:
+    """The lock table locked by another session (statements on it wait) until exit."""
+    if store == "postgresql":
+        with psycopg.connect(url.replace("+psycopg", "")) as conn:
+            conn.execute("LOCK TABLE task_locks IN ACCESS EXCLUSIVE MODE")
+            yield
+        return
+    parsed = make_url(url)
+    conn = MySQLdb.connect(host=parsed.host, port=parsed.port or 3306, user=parsed.username,
+                           password=parsed.password or "", database=parsed.database)  # fmt: skip
+    try:
+        conn.cursor().execute("LOCK TABLES task_locks WRITE")
+        yield
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize(
+    ("library", "store"),
+    [("eventlet", "postgresql"), ("gevent", "postgresql"), ("eventlet", "mariadb-pymysql")],
+)
+def test_the_watchdog_cuts_a_hung_statement(
+    request: pytest.FixtureRequest, library: str, store: str
+) -> None:
     """The statement watchdog is a greenlet there too: it runs while a statement
-    waits, and shuts the overdue socket down."""
+    waits (on MariaDB through PyMySQL, whose waits are the patched sockets'), and
+    shuts the overdue socket down."""
+    if store == "postgresql":
+        url = request.getfixturevalue("pg_url")
+    else:
+        maria = make_url(request.getfixturevalue("maria_url"))
+        url = maria.set(drivername="mysql+pymysql").render_as_string(hide_password=False)
     proc = subprocess.Popen(
-        [sys.executable, "-c", DEADLINE_SCRIPT, library, pg_url],
+        [sys.executable, "-c", DEADLINE_SCRIPT, library, url],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert proc.stdout is not None and proc.stdin is not None
-    with psycopg.connect(pg_url.replace("+psycopg", "")) as conn:
-        try:
-            assert proc.stdout.readline().strip() == "ready", proc.communicate(timeout=30)
-            conn.execute("LOCK TABLE task_locks IN ACCESS EXCLUSIVE MODE")
+    try:
+        assert proc.stdout.readline().strip() == "ready", proc.communicate(timeout=30)
+        with _table_locked(store, url):
             proc.stdin.write("go\n")
             proc.stdin.flush()
             out, err = proc.communicate(timeout=30)
-        finally:
-            proc.kill()
-    print(f"{library}: {out.strip()}")
+    finally:
+        proc.kill()
+    print(f"{library}/{store}: {out.strip()}")
     outcome, took = out.split()
     assert outcome in ("OutcomeUnknown", "DatabaseUnavailable"), err[-3000:]
     assert float(took) < 1.0 + 3.0, out
+
+
+def test_mysqlclient_in_a_green_process_is_warned_about(maria_url: str) -> None:
+    """mysqlclient waits in C: the event loop stops for each statement and the
+    watchdog cannot cut a hung one (it hung past 20 s where PyMySQL ended in 1 s)."""
+    script = (
+        "import sys, logging\nfrom gevent import monkey\nmonkey.patch_all()\n"
+        "logging.basicConfig()\nfrom taskguard import TaskGuard\n"
+        "guard = TaskGuard(sys.argv[1])\nguard.release(guard.acquire('k', 30))\n"
+    )
+    assert make_url(maria_url).get_driver_name() == "mysqldb", maria_url
+    out = subprocess.run(
+        [sys.executable, "-c", script, maria_url],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert "mysqlclient blocks the gevent event loop" in out.stderr, out.stderr
+    assert "use a mysql+pymysql:// URL" in out.stderr, out.stderr

@@ -23,7 +23,10 @@ from tg_matrix_app import make_app
 
 from taskguard import is_skipped
 
-pytestmark = [pytest.mark.celery, pytest.mark.postgres]
+# slow: two real workers, about 1.5 minutes; run once per CI run (the latest-versions
+# pass). The lowest-versions pass checks the mechanism (psycopg's wait in a green
+# process) with tests/integration/test_green_waiting.py.
+pytestmark = [pytest.mark.celery, pytest.mark.postgres, pytest.mark.slow]
 
 POOLS = ("eventlet", "gevent")
 SUBMISSIONS = 200
