@@ -42,7 +42,6 @@ import logging
 import math
 import os
 import signal
-import sys
 import threading
 import time
 from types import FrameType
@@ -51,6 +50,7 @@ from typing import Any
 from taskguard import signals
 from taskguard.deadline import call_limit
 from taskguard.exceptions import LeaseLost, TaskGuardError
+from taskguard.green import green_library
 from taskguard.guard import TaskGuard
 from taskguard.lease import Lease
 
@@ -413,17 +413,9 @@ _warned: set[str] = set()
 
 def pool_kind() -> str:
     """``"main"`` (prefork/solo), ``"thread"`` (threads pool) or ``"green"``."""
-    if _green():
+    if green_library():
         return "green"
     return "main" if threading.current_thread() is threading.main_thread() else "thread"
-
-
-def _green() -> bool:
-    gevent_monkey = sys.modules.get("gevent.monkey")
-    if gevent_monkey is not None and gevent_monkey.is_module_patched("threading"):
-        return True
-    patcher = sys.modules.get("eventlet.patcher")
-    return bool(patcher is not None and patcher.is_monkey_patched("thread"))
 
 
 def _handler(signum: int, frame: FrameType | None) -> None:

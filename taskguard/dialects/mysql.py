@@ -32,6 +32,7 @@ Why the statements look the way they do:
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime, timezone
 from typing import Any
 
@@ -66,6 +67,8 @@ from taskguard.dialects.base import (
     T,
 )
 from taskguard.dialects.mysql_server import error_kind, refuse_server, server_info
+from taskguard.green import green_library
+from taskguard.urls import mask_url
 
 __all__ = [
     "ACQUIRE",
@@ -78,6 +81,8 @@ __all__ = [
     "SESSION_SETUP",
     "MariaDB",
 ]
+
+log = logging.getLogger("taskguard")
 
 #: Run once on every new lock connection.
 SESSION_SETUP = (
@@ -392,6 +397,14 @@ class MariaDB(Dialect):
             return None
 
     def configure_engine(self, engine: Engine, url: URL, *, durable: bool) -> None:
+        library = green_library()
+        if library and engine.dialect.driver == "mysqldb":
+            log.warning(
+                "%s: mysqlclient blocks the %s event loop for each statement, and no time "
+                "limit can cut a hung one; use a mysql+pymysql:// URL in this process",
+                mask_url(engine.url), library,
+            )  # fmt: skip
+
         @event.listens_for(engine, "connect")
         def _session(dbapi_conn: Any, _record: Any) -> None:
             refuse_server(*server_info(str(dbapi_conn.get_server_info())))  # not MySQL

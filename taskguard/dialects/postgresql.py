@@ -59,6 +59,7 @@ from taskguard.dialects.postgresql_connections import (
     ReleaseListener,
     backend_pid_is_real,
     prepare_when_direct,
+    wait_cooperatively,
     warn_once,
     warn_pooled_once,
 )
@@ -325,6 +326,7 @@ class PostgreSQL(Dialect):
 
     def configure_engine(self, engine: Engine, url: URL, *, durable: bool) -> None:
         if engine.dialect.driver == "psycopg":
+            wait_cooperatively()
             event.listen(engine, "connect", prepare_when_direct)
         if durable:
             return

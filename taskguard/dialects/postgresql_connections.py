@@ -7,13 +7,16 @@ poolers."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
 import psycopg
+import psycopg.waiting
 from sqlalchemy import URL, Engine
 
 from taskguard.deadline import watchdog
+from taskguard.green import green_library
 from taskguard.models import RELEASE_CHANNEL
 
 __all__ = [
@@ -21,6 +24,7 @@ __all__ = [
     "ReleaseListener",
     "backend_pid_is_real",
     "prepare_when_direct",
+    "wait_cooperatively",
     "warn_once",
     "warn_pooled_once",
 ]
@@ -29,6 +33,19 @@ log = logging.getLogger("taskguard")
 
 #: Longest sleep of a waiter whose listener broke (seconds), as when polling.
 POLL = 0.5
+
+
+def wait_cooperatively() -> None:
+    """In a green process, make psycopg wait through the patched ``selectors``, as
+    psycopg does by itself only under gevent (and only if it was imported after
+    the patching): its C wait would stop every greenlet (renewals, the watchdog, the
+    pool's other tasks) for each statement, and a waiter's LISTEN for its whole nap.
+    Process-wide: any psycopg wait in C is wrong there. ``PSYCOPG_WAIT_FUNC`` wins."""
+    library = green_library()
+    c_wait = getattr(psycopg.waiting, "wait_c", None)
+    if library and psycopg.waiting.wait is c_wait and "PSYCOPG_WAIT_FUNC" not in os.environ:
+        psycopg.waiting.wait = psycopg.waiting.wait_selector
+        log.info("%s: psycopg now waits through the event loop (wait_selector)", library)
 
 
 class ReleaseListener:

@@ -43,6 +43,7 @@ class PendingEnv:
     runs_url: str
     broker: str = "redis"
     lock_url: str = ""
+    pool: str = "prefork"
 
     def task(self, name: str) -> Any:
         return self.app.tasks[name]
@@ -85,10 +86,11 @@ def running_env(
     broker_url: str = REDIS_URL,
     concurrency: int = 4,
     worker_env: dict[str, str] | None = None,
+    pool: str = "prefork",
 ) -> Iterator[PendingEnv]:
     """A worker of ``app_module`` whose locks live in ``store`` (postgresql, sqlite,
     mariadb), on ``broker_url``; runs recorded in a PostgreSQL database of its own.
-    ``worker_env``: more environment for the worker."""
+    ``worker_env``: more environment for the worker; ``pool``: its ``-P``."""
     runs_url = new_pg_database(request.getfixturevalue("pg_template"))
     with psycopg.connect(libpq_url(runs_url), autocommit=True) as conn:
         conn.execute(RUNS_DDL)
@@ -104,10 +106,10 @@ def running_env(
     guard = TaskGuard(lock_url)
     try:
         with start_worker(
-            app_module, broker_url, lock_url, concurrency, queue=queue, result_backend=REDIS_URL,
-            env={"TG_RUNS_URL": runs_url, **(worker_env or {})},
+            app_module, broker_url, lock_url, concurrency, pool, queue=queue,
+            result_backend=REDIS_URL, env={"TG_RUNS_URL": runs_url, **(worker_env or {})},
         ) as worker:  # fmt: skip
-            yield PendingEnv(store, app, worker, guard, runs_url, broker, lock_url)
+            yield PendingEnv(store, app, worker, guard, runs_url, broker, lock_url, pool)
     finally:
         guard.dispose()
         app.close()

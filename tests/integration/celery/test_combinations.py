@@ -1,7 +1,8 @@
 """Where taskguard's Celery features meet each other (issue 28): coalesce and
 debounce members of canvases, a queue lock with conflict retries, two tasks with
 pending runs on one key, a killed waiter, and the combination matrix (every
-``lock=`` x ``on_conflict=`` x canvas shape), with real prefork workers.
+``lock=`` x ``on_conflict=`` x canvas shape), with real prefork workers; the matrix
+also on each other worker pool (threads, solo, gevent, eventlet: fewer shapes).
 
 One worker per lock store and broker serves the whole module (``menv``); every
 case uses keys of its own, so cases run side by side.
@@ -431,12 +432,41 @@ def test_combination_matrix(menv: PendingEnv) -> None:
     own, each meeting a held key: each finishes within BOUND with a value or a
     visible error, each member ends as its strategy says, and no key runs more often
     at once than its limit."""
+    _run_matrix(menv, SHAPES)
+
+
+#: The pools a user can choose besides prefork (menv's): -c and the canvas shapes of
+#: each one's matrix (solo runs one task at a time: one member per case).
+POOLS = {
+    "threads": (8, ("group", "chain-first")),
+    "gevent": (20, ("group", "chain-first")),
+    "eventlet": (20, ("group", "chain-first")),
+    "solo": (1, ("chain-first",)),
+}
+
+
+@pytest.fixture(scope="module", params=list(POOLS), name="pool_env")
+def pool_env(request: pytest.FixtureRequest) -> Iterator[PendingEnv]:
+    with running_env(
+        request, "postgresql", app_module="tg_matrix_app", app_factory=make_app,
+        concurrency=POOLS[request.param][0], pool=request.param,
+    ) as env:  # fmt: skip
+        yield env
+
+
+@pytest.mark.slow  # once per CI run: the latest-versions pass
+def test_combination_matrix_on_each_pool(pool_env: PendingEnv) -> None:
+    """The matrix (fewer shapes) on every other worker pool, locks in PostgreSQL."""
+    _run_matrix(pool_env, POOLS[pool_env.pool][1])
+
+
+def _run_matrix(menv: PendingEnv, shapes: tuple[str, ...]) -> None:
     logger, lines = logging.getLogger("taskguard"), _Lines()
     level = logger.level
     logger.addHandler(lines)
     logger.setLevel(logging.INFO)
     try:
-        cases = [_submit(menv, case, shape) for case in CONFIGS for shape in SHAPES]
+        cases = [_submit(menv, case, shape) for case in CONFIGS for shape in shapes]
         deadline = cases[0].submitted + BOUND
         unfinished, holding = list(cases), list(cases)
         while unfinished and time.monotonic() < deadline:
@@ -469,7 +499,7 @@ def test_combination_matrix(menv: PendingEnv) -> None:
         case.outcome = f"{_state(case.final)}: {', '.join(members)}"
     slowest = max(cases, key=lambda c: c.took)
     print(
-        f"\n{menv.store}/{menv.broker}: {len(cases)} cases, members {dict(outcomes)}; "
+        f"\n{menv.store}/{menv.broker}/{menv.pool}: {len(cases)} cases, members {dict(outcomes)}; "
         f"slowest {slowest.case}/{slowest.shape} {slowest.took:.1f}s"
     )
     for case in sorted(cases, key=lambda c: (list(CONFIGS).index(c.case), c.shape)):
