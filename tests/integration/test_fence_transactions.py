@@ -134,8 +134,11 @@ def test_sqlite_acquire_inside_the_threads_own_write_transaction_says_so(
 ) -> None:
     """Defect 8 (b): it said the connection broke."""
     _business_table(sqlite_url)
-    guard, engine = TaskGuard(sqlite_url, call_timeout=1.0), _engine(sqlite_url)
+    # SQLite's busy timeout (30 s by default) is how long the acquire waits first.
+    guard = TaskGuard(sqlite_url, connect_args={"timeout": 1.0})
+    engine = _engine(sqlite_url)
     try:
+        assert _free(guard)  # the guard has its connection (and WAL) already
         with Session(engine) as session, session.begin():
             _write(session, "D-1", 0)
             with pytest.raises(DatabaseUnavailable) as err:
@@ -143,6 +146,10 @@ def test_sqlite_acquire_inside_the_threads_own_write_transaction_says_so(
         message = str(err.value)
         assert "write transaction" in message and "commit" in message, message
         assert "broke" not in message, message
+        assert not err.value.statement_sent  # nothing was changed: no read-back
+        with Session(engine) as session, session.begin():
+            _write(session, "D-2", 0)
+        assert guard.acquire(KEY, 30) is not None  # once it committed
     finally:
         engine.dispose()
         guard.dispose()
