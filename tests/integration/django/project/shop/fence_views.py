@@ -54,3 +54,15 @@ class ReleaseInsideTheFencedTransaction(TransactionTestCase):
         numbers = set(Invoice.objects.values_list("number", flat=True))
         self.assertEqual(numbers, {number, f"{number}-after"})
         self.assertTrue(self._free(f"invoice:{number}"))
+
+    def test_a_release_in_a_nested_block_that_rolls_back(self) -> None:
+        """Django drops the block's on_commit hooks with its savepoint: the release is
+        put off again, to the end of the request's transaction."""
+        number = uuid.uuid4().hex[:8]
+        started = time.monotonic()
+        page = self.client.get(f"/failed-block/{number}/")
+        self.assertEqual(page.status_code, 200, page.content[:2000])
+        self.assertLess(time.monotonic() - started, QUICK)
+        numbers = set(Invoice.objects.values_list("number", flat=True))
+        self.assertEqual(numbers, {f"{number}-after"})
+        self.assertTrue(self._free(f"invoice:{number}"))

@@ -33,3 +33,21 @@ def eager_task(request: HttpRequest, number: str) -> JsonResponse:
     token = write_invoice.apply(args=(number,)).get()
     Invoice.objects.create(number=f"{number}-after", token=token)
     return JsonResponse({"token": token})
+
+
+@transaction.atomic
+def released_in_a_failed_block(request: HttpRequest, number: str) -> JsonResponse:
+    """The release is called inside the nested block, which then rolls back to its
+    savepoint; the request's transaction goes on and commits."""
+    guard = guard_for(app)
+    lease = guard.acquire(f"invoice:{number}", ttl=30, task_name="shop.view")
+    assert lease is not None
+    try:
+        with transaction.atomic():
+            Invoice.objects.create(number=number, token=lease.fence(connection))
+            guard.release(lease)
+            raise ValueError("the block failed")
+    except ValueError:
+        pass
+    Invoice.objects.create(number=f"{number}-after", token=lease.token)
+    return JsonResponse({"token": lease.token})

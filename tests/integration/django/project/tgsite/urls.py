@@ -6,4 +6,5 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("invoice/<str:number>/", views.fenced_invoice),
     path("eager/<str:number>/", views.eager_task),
+    path("failed-block/<str:number>/", views.released_in_a_failed_block),
 ]
