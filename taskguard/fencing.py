@@ -25,14 +25,15 @@ ORM's writes.
 
 The release of a fenced lease needs that row too, so it cannot end the lease until
 the fenced transaction ends. The fence remembers that transaction by the lease's
-owner id (:data:`FENCED`, the transaction held weakly); a release called while it is still open, on the thread
-that fenced, is done right after it ends, committed or rolled back (a Session's
-``after_transaction_end`` event; Django's ``on_commit``, and the same hook dropped by
-a rollback), instead of waiting for its own row lock until the call timeout. A Core
-:class:`~sqlalchemy.engine.Connection` has no hook after its commit: that release is
-refused at once (:class:`~taskguard.ConfigurationError`) and the transaction is left
-as it was. The deferred release is by owner id like any other: it never ends a lease
-that has passed to someone else.
+owner id (:data:`FENCED`; the transaction held weakly); a release called while it
+is still open, on the thread that fenced, is done right after it ends, committed or
+rolled back (a Session's ``after_transaction_end`` event; Django's ``on_commit``,
+and the same hook dropped by a rollback), instead of waiting for its own row lock
+until the call timeout. A Core :class:`~sqlalchemy.engine.Connection` has no hook
+after its commit: that release is refused at once
+(:class:`~taskguard.ConfigurationError`) and the transaction is left as it was. The
+deferred release is by owner id like any other: it never ends a lease that has
+passed to someone else.
 """
 
 from __future__ import annotations

@@ -273,7 +273,9 @@ class TaskGuard(AsyncLeases):
 
         ``marker``: also take that key for ``marker.ttl`` seconds (either way), in the
         same statement on PostgreSQL; see ``unless=`` of :meth:`try_acquire`.
-        ``reason``: recorded in the history (why it was released for its holder)."""
+        ``reason``: recorded in the history (why it was released for its holder).
+        Before the transaction that fenced the lease ends, on its thread: ``True`` at
+        once, and the release right after that transaction (:meth:`give_back`)."""
         if marker is not None:
             marker = validate_marker(marker, lease.key, self.hostname)
         return self.give_back(lease, marker, reason)
