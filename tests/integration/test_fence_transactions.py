@@ -14,6 +14,7 @@ from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.orm import Session
 
 from taskguard import ConfigurationError, DatabaseUnavailable, TaskGuard
+from taskguard.fencing import FENCED
 
 KEY = "invoice:41"
 #: A release that waited for its own fence took the call timeout (10 s); one that
@@ -75,6 +76,7 @@ def test_a_release_inside_the_sessions_fenced_transaction_waits_for_its_commit(
         assert took < QUICK, f"the release waited for its own fence: {took:.1f}s"
         assert _numbers(db_url) == ["A-1", "A-2"]
         assert _free(guard)
+        assert lease.owner not in FENCED  # nothing left behind
         assert not guard.release(lease)  # released once, by the deferred release
     finally:
         engine.dispose()
@@ -150,6 +152,24 @@ def test_sqlite_acquire_inside_the_threads_own_write_transaction_says_so(
         with Session(engine) as session, session.begin():
             _write(session, "D-2", 0)
         assert guard.acquire(KEY, 30) is not None  # once it committed
+    finally:
+        engine.dispose()
+        guard.dispose()
+
+
+def test_a_fenced_lease_that_is_never_released_leaves_nothing_behind(db_url: str) -> None:
+    guard, engine = TaskGuard(db_url), _engine(db_url)
+    try:
+        forgotten, other = guard.acquire(KEY, 30), guard.acquire("invoice:42", 30)
+        assert forgotten is not None and other is not None
+        with Session(engine) as session, session.begin():
+            forgotten.fence(session)
+        assert forgotten.owner in FENCED  # its transaction has ended; never released
+        with Session(engine) as session, session.begin():
+            other.fence(session)  # the next fence drops records of ended transactions
+        assert forgotten.owner not in FENCED
+        assert guard.release(other)  # at once: its transaction has ended
+        assert other.owner not in FENCED
     finally:
         engine.dispose()
         guard.dispose()
