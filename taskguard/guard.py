@@ -17,7 +17,7 @@ from taskguard.aio import AsyncLeases
 from taskguard.companions import without_companions
 from taskguard.deadline import DEFAULT_CALL_TIMEOUT
 from taskguard.exceptions import InvalidKey, LockHeld
-from taskguard.fencing import fence
+from taskguard.fencing import FENCED, fence
 from taskguard.history import LockEvent, explain, secs, story
 from taskguard.keys import (
     MAX_LIMIT,
@@ -273,7 +273,9 @@ class TaskGuard(AsyncLeases):
 
         ``marker``: also take that key for ``marker.ttl`` seconds (either way), in the
         same statement on PostgreSQL; see ``unless=`` of :meth:`try_acquire`.
-        ``reason``: recorded in the history (why it was released for its holder)."""
+        ``reason``: recorded in the history (why it was released for its holder).
+        Before the transaction that fenced the lease ends, on its thread: ``True`` at
+        once, and the release right after that transaction (:meth:`give_back`)."""
         if marker is not None:
             marker = validate_marker(marker, lease.key, self.hostname)
         return self.give_back(lease, marker, reason)
@@ -302,10 +304,21 @@ class TaskGuard(AsyncLeases):
         self, lease: Lease, marker: Marker | None = None, reason: str | None = None
     ) -> bool:
         """:meth:`release` for an integration's run, whose ``marker`` (if any) is
-        complete (stored key, ttl in seconds, holder with host and pid)."""
+        complete (stored key, ttl in seconds, holder with host and pid).
+
+        Called on the thread that fenced ``lease`` before the fenced transaction ended,
+        it returns ``True`` at once and releases right after that transaction commits
+        or rolls back (see :mod:`taskguard.fencing`): it would otherwise wait for the
+        fence's own row lock."""
+        if (fenced := FENCED.get(lease.owner)) and fenced.defer(
+            lease, lambda: self.give_back(lease, marker, reason)
+        ):
+            return True
         ended, by_statement = self._store.release(lease, marker)
-        if by_statement and self.history:
-            self._store.history.ended(lease, "released" if ended else "lost", "at release", reason)
+        return self._recorded(lease, ended, reason) if by_statement and self.history else ended
+
+    def _recorded(self, lease: Lease, ended: bool, reason: str | None) -> bool:
+        self._store.history.ended(lease, "released" if ended else "lost", "at release", reason)
         return ended
 
     def record_event(self, key: str, event: str, detail: str, **holder: Any) -> None:

@@ -217,6 +217,7 @@ class ErrorKind(enum.Enum):
     NO_DATABASE = "no_database"  # the database named in the URL does not exist
     OUTAGE = "outage"
     STATEMENT = "statement"
+    LOCKED = "locked"  # another write transaction kept the database locked (SQLite): not run
 
 
 @dataclass(frozen=True, slots=True)

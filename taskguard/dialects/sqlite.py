@@ -92,7 +92,7 @@ SELECT strftime('{FMT}', 'now'), json_extract(value, '$[0]'),
        json_extract(value, '$[3]')
 FROM json_each(:rows)
 """
-_OUTAGE = ("database is locked", "unable to open", "disk i/o", "database is full")
+_OUTAGE = ("unable to open", "disk i/o", "database is full")
 
 
 def _is_memory(url: URL) -> bool:
@@ -221,6 +221,8 @@ class SQLite(Dialect):
             return ErrorKind.SCHEMA_MISSING
         if "readonly database" in low or "permission denied" in low:
             return ErrorKind.PERMISSION
+        if "database is locked" in low:
+            return ErrorKind.LOCKED
         if any(marker in low for marker in _OUTAGE):
             return ErrorKind.OUTAGE
         return None

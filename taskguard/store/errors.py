@@ -73,6 +73,15 @@ def translate_error(
             "(see docs/reliability.md, 'Least privilege')",
             url,
         )
+    if kind is ErrorKind.LOCKED:
+        return DatabaseUnavailable(
+            f"lock database {url} stayed locked by another write transaction ({first}), "
+            "most often one still open on this same thread on the same database file (ORM "
+            "writes or a fence not yet committed): commit or roll back that transaction "
+            "before calling taskguard; nothing was changed",
+            url,
+            False,
+        )
     if kind is None:
         refused = dialect.statement_errors if dialect is not None else ()
         kind = ErrorKind.STATEMENT if isinstance(orig, refused) else ErrorKind.OUTAGE
