@@ -5,20 +5,24 @@ the docs' blocks (tests/docs) and the journeys (tests/journey).
 Redis databases are fixed per user of them so that no two workers consuming
 Celery's default queue ``celery`` can meet. The numbers below are offsets from the
 database of ``TASKGUARD_TEST_REDIS_URL`` (0 by default): set it to ``…/16`` and
-the suite uses databases 16 to 31 instead (the server needs that many). Every one
-but 0 and 13 is emptied when a test or page starts:
+the suite uses databases 16 to 31 instead (the server needs that many). Those
+marked so are not emptied; the others are, when a test or page starts:
 
-     0  the shared suite (a queue per test), scripts/bench.py's test runs
+     0  the shared suite (a queue per test), scripts/bench.py's test runs (not emptied)
      1  tests/journey/test_journey_migrations.py (a queue per case)
+     2  tests/integration/django_tasks/test_celery_bridge.py (a queue per test; not emptied)
+     3  scripts/bench.py's storm section under tests/integration/test_bench_quick.py
+        (lock keys under a run's prefix; not emptied)
      6  docs/getting-started.md, 7 docs/behaviour.md (no worker)
      8  tests/journey/test_journey_djangofeeds.py
      9  tests/journey/test_journey_alembic.py
     10  tests/journey/test_journey_install.py
     12  docs/options.md (broker and results; its coalesce example starts a worker)
-    13  the demo's broker (tests/integration/test_demo.py)
+    13  the demo's broker (tests/integration/test_demo.py; not emptied)
     14  the docs' pages (broker), 15 (results)
 
-(11 is the benchmarks' own, ``TASKGUARD_BENCH_REDIS_URL``, outside the suite.)
+Outside the suite: 11 is the benchmarks' (``TASKGUARD_BENCH_REDIS_URL``);
+scripts/peer_suites.py empties 9 (``PEER_SUITES_REDIS_URL``).
 
 ``PG_URL`` and ``MARIADB_URL`` name a database (``test``) that is created when
 missing, the first time an admin connection is made.
