@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""taskguard benchmarks (issue #6): every row in one run, ratios from that run.
+"""taskguard benchmarks: every row in one run, ratios from that run.
 
     python scripts/bench.py [--quick] [--json FILE] [--sections pairs,contention,...,lines,compat]
 
@@ -9,7 +9,7 @@ it is missing) and keeps its Redis keys in database 12. Each
 section uses its own scratch database (dropped at the end) and a unique Redis key
 prefix (deleted at the end). ``--quick`` shrinks every section (smaller tables,
 fewer tasks, shorter runs) so the whole run takes well under a minute; its figures
-are for smoke-testing, not publishing. See docs/benchmarks.md.
+are for smoke-testing, not publishing. See docs/evidence/benchmarks.md.
 """
 
 from __future__ import annotations

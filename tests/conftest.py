@@ -14,6 +14,7 @@ a local run without that server.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import uuid
@@ -38,6 +39,16 @@ from tests.services import (  # the service URLs and admin connections live ther
 )
 
 __all__ = ["AMQP_URL", "REDIS_URL", "drop_maria_database", "drop_pg_database", "new_pg_database"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _test_databases() -> None:
+    """The databases PG_URL and MARIADB_URL name (``test``), created when missing:
+    some tests use those URLs as they are. (A server that cannot be reached is
+    reported by the fixtures that need it.)"""
+    for create in (services.create_pg_database, services.create_maria_database):
+        with contextlib.suppress(Exception):
+            create()
 
 
 def _template_name() -> str:

@@ -3,24 +3,39 @@ connections to them, and throwaway databases: for the suite (tests/conftest.py),
 the docs' blocks (tests/docs) and the journeys (tests/journey).
 
 Redis databases are fixed per user of them so that no two workers consuming
-Celery's default queue ``celery`` can meet:
+Celery's default queue ``celery`` can meet. The numbers below are offsets from the
+database of ``TASKGUARD_TEST_REDIS_URL`` (0 by default): set it to ``…/16`` and
+the suite uses databases 16 to 31 instead (the server needs that many). Those
+marked so are not emptied; the others are, when a test or page starts:
 
+     0  the shared suite (a queue per test), scripts/bench.py's test runs (not emptied)
      1  tests/journey/test_journey_migrations.py (a queue per case)
+     2  tests/integration/django_tasks/test_celery_bridge.py (a queue per test; not emptied)
+     3  scripts/bench.py's storm section under tests/integration/test_bench_quick.py
+        (lock keys under a run's prefix; not emptied)
+     6  docs/getting-started.md, 7 docs/behaviour.md (no worker)
      8  tests/journey/test_journey_djangofeeds.py
      9  tests/journey/test_journey_alembic.py
     10  tests/journey/test_journey_install.py
     12  docs/options.md (broker and results; its coalesce example starts a worker)
-     6  docs/getting-started.md, 7 docs/behaviour.md (no worker)
+    13  the demo's broker (tests/integration/test_demo.py; not emptied)
     14  the docs' pages (broker), 15 (results)
 
-(0 is the shared suite's, with a queue per test; 11 the benchmarks'; 13 the demo's.)
+Outside the suite: 11 is the benchmarks' (``TASKGUARD_BENCH_REDIS_URL``);
+scripts/peer_suites.py empties 9 (``PEER_SUITES_REDIS_URL``).
+
+``PG_URL`` and ``MARIADB_URL`` name a database (``test``) that is created when
+missing, the first time an admin connection is made.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import uuid
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 from sqlalchemy.engine import make_url
@@ -35,11 +50,21 @@ REDIS_URL = os.environ.get("TASKGUARD_TEST_REDIS_URL", "redis://127.0.0.1:6379/0
 AMQP_URL = os.environ.get("TASKGUARD_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 
 
+_REDIS = urlsplit(REDIS_URL)
+#: The database of TASKGUARD_TEST_REDIS_URL: every number in the table above is added to it.
+REDIS_BASE = int(_REDIS.path.strip("/") or 0)
+
+
+def redis_url(number: int) -> str:
+    """The URL of the suite's Redis database ``number`` (an offset from REDIS_BASE)."""
+    return urlunsplit(_REDIS._replace(path=f"/{REDIS_BASE + number}"))
+
+
 def redis_db(number: int) -> str:
-    """The test Redis server's database ``number``, emptied."""
+    """The suite's Redis database ``number`` (see redis_url), emptied."""
     import redis
 
-    url = REDIS_URL.rsplit("/", 1)[0] + f"/{number}"
+    url = redis_url(number)
     client = redis.Redis.from_url(url, socket_timeout=10)
     try:
         client.flushdb()
@@ -57,8 +82,20 @@ def libpq(url: str, database: str | None = None) -> str:
 
 
 def pg_admin() -> psycopg.Connection[Any]:
-    """An autocommit connection to the test PostgreSQL server."""
+    """An autocommit connection to the test PostgreSQL server (PG_URL's database,
+    created when missing)."""
+    create_pg_database()
     return psycopg.connect(libpq(PG_URL), autocommit=True, connect_timeout=10)
+
+
+@functools.cache
+def create_pg_database() -> None:
+    name = make_url(PG_URL).database
+    with psycopg.connect(libpq(PG_URL, "postgres"), autocommit=True, connect_timeout=10) as admin:
+        if admin.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone():
+            return
+        with contextlib.suppress(psycopg.errors.DuplicateDatabase):  # another process's
+            admin.execute(f'CREATE DATABASE "{name}"')
 
 
 def new_pg_database(prefix: str = "tgdoc", template: str | None = None) -> str:
@@ -75,8 +112,17 @@ def drop_pg_database(url: str) -> None:
         admin.execute(f'DROP DATABASE IF EXISTS "{make_url(url).database}" WITH (FORCE)')
 
 
-def maria_admin() -> Any:
-    """An autocommit connection to the test MariaDB server (mysqlclient)."""
+def maria_admin(database: str | None = None) -> Any:
+    """An autocommit connection (mysqlclient) to the test MariaDB server, on
+    ``database`` if given (MARIADB_URL's database is created when missing)."""
+    create_maria_database()
+    conn = _maria_connect()
+    if database is not None:
+        conn.select_db(database)
+    return conn
+
+
+def _maria_connect() -> Any:
     import MySQLdb
 
     u = make_url(MARIADB_URL)
@@ -85,9 +131,19 @@ def maria_admin() -> Any:
         port=u.port or 3306,
         user=u.username or "root",
         password=u.password or "",
+        charset="utf8mb4",
         autocommit=True,
         connect_timeout=10,
     )
+
+
+@functools.cache
+def create_maria_database() -> None:
+    conn = _maria_connect()
+    try:
+        conn.cursor().execute(f"CREATE DATABASE IF NOT EXISTS `{make_url(MARIADB_URL).database}`")
+    finally:
+        conn.close()
 
 
 def new_maria_database(prefix: str = "tgdoc") -> str:

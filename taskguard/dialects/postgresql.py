@@ -111,7 +111,7 @@ SELECT pick.slot, won.token, won.acquired_at, won.expires_at FROM pick LEFT JOIN
 #: statement: one round trip and one commit instead of two. rowcount is the release's.
 #: Committed like a release, without waiting for the WAL flush: a durable commit
 #: cost ~150 us more server CPU per task than the whole marker (measured, see
-#: docs/benchmarks.md), and the next durable commit on the server (any grant)
+#: docs/evidence/benchmarks.md), and the next durable commit on the server (any grant)
 #: flushes it too. Lost only if PostgreSQL crashes before that; then a late copy of
 #: the finished task could run again, as without the record.
 _RELEASE_MARKING = (

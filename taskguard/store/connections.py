@@ -152,7 +152,7 @@ class Executor:
         )
         # On its own engine the guard keeps one connection (and cursor) checked out per
         # thread: a pool checkout + return per statement was most of taskguard's Python
-        # overhead per acquire+release (docs/benchmarks.md). At most pool_size threads
+        # overhead per acquire+release (docs/evidence/benchmarks.md). At most pool_size threads
         # pin one, so a big threads pool never starves the pool; the rest borrow per
         # statement. A thread's connection goes back when the thread ends, or on dispose().
         self._pin_limit = 0

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from conftest import AMQP_URL, PG_URL, REDIS_URL
 
+from tests.services import REDIS_BASE
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "scripts"
 
@@ -52,6 +54,9 @@ def test_quick_benchmark_reports_every_row(tmp_path: Path) -> None:
             AMQP_URL,
         ],
         cwd=REPO,
+        # The storm section's lock keys in a Redis database no other test empties
+        # (tests/services.py: database 3 of the suite's).
+        env={**os.environ, "TGBENCH_STORM_REDIS_DB": str(REDIS_BASE + 3)},
         capture_output=True,
         text=True,
         timeout=360,

@@ -17,15 +17,14 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import AMQP_URL, REDIS_URL
+from conftest import AMQP_URL
 from sqlalchemy import create_engine, text
 
 from taskguard.demo.record import max_concurrency
+from tests.services import redis_url
 
 # A Redis database of its own: nothing another test left queued can reach the demo.
-REDIS_BROKER_URL = os.environ.get(
-    "TASKGUARD_TEST_DEMO_REDIS_URL", REDIS_URL.rsplit("/", 1)[0] + "/13"
-)
+REDIS_BROKER_URL = redis_url(13)
 
 REPO = Path(__file__).resolve().parents[2]
 FEED_PREFIX = "https://example.com/feeds/"

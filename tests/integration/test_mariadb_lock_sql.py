@@ -25,6 +25,7 @@ from sqlalchemy.dialects.mysql import mysqldb
 
 from taskguard.dialects import mysql as sql
 from taskguard.dialects.base import Statement, compile_for
+from tests.services import maria_admin
 
 MySQLdb = pytest.importorskip("MySQLdb")
 
@@ -44,9 +45,7 @@ DEADLOCK, LOCK_WAIT = 1213, 1205
 
 
 def _connect(db: str) -> Any:
-    conn = MySQLdb.connect(
-        host="127.0.0.1", user="root", database=db, charset="utf8mb4", autocommit=True
-    )
+    conn = maria_admin(db)  # the server of TASKGUARD_TEST_MARIADB_URL
     cur = conn.cursor()
     for stmt in sql.SESSION_SETUP:
         cur.execute(stmt)

@@ -147,7 +147,7 @@ def test_the_key_is_free_once_the_result_is_ready_and_for_the_next_link(env: Env
     # The run releases before Celery stores its result or sends a chain's next link:
     # whoever reads the result, and the next link of one key, finds the key free.
     # (This ordering is why the release stays on the run's own path; see
-    # docs/benchmarks.md.)
+    # docs/evidence/benchmarks.md.)
     slow = env.task("tg.slow")
     kid = key_id(env, "order")
     for _ in range(10):

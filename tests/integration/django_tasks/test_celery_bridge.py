@@ -20,9 +20,8 @@ from pathlib import Path
 import pytest
 import redis
 from djtasks_sites import example_env_fixture  # noqa: F401 (the example_env fixture)
-from sqlalchemy.engine import make_url
 
-from tests.services import REDIS_URL
+from tests.services import redis_url
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
@@ -43,7 +42,7 @@ def site_env(example_env: dict[str, str]) -> Iterator[dict[str, str]]:
     env = {
         **example_env,
         "DJANGO_SETTINGS_MODULE": "celerysite.settings",
-        "CELERYSITE_BROKER": make_url(REDIS_URL).set(database="2").render_as_string(False),
+        "CELERYSITE_BROKER": redis_url(2),
         "CELERYSITE_QUEUE": f"taskguard-djcelery-{uuid.uuid4().hex[:8]}",
     }
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), env["PYTHONPATH"]])
