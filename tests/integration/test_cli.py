@@ -122,7 +122,25 @@ def test_show_prints_who_holds_a_key(guard: TaskGuard, env: dict[str, str]) -> N
 
     guard.release(lease)
     out = tg("show", "invoice:42", env=env)
-    assert "state:      expired" in out and "not yet reaped" in out
+    # Without history a release and an expiry leave the same row.
+    assert "state:      free, ended" in out and "released or expired; row not yet reaped" in out
+
+
+def test_show_says_how_a_lease_ended_as_explain_does(url: str, env: dict[str, str]) -> None:
+    """Issue 41, defect 8c: `show` said "expired 18.0s ago (row not yet reaped)" for a
+    lease the worker's main process released, where `explain` says released."""
+    guard = TaskGuard(url, history=True)
+    try:
+        lease = guard.acquire("invoice:killed", 300, task_name="billing.charge")
+        assert lease is not None
+        why = "by the worker's main process: worker process lost (signal 9)"
+        assert guard.release(lease, reason=why)
+    finally:
+        guard.dispose()
+    state = dict(line.split(":", 1) for line in tg("show", "invoice:killed", env=env).splitlines())
+    assert state["state"].strip().startswith("free, released "), state
+    assert state["state"].strip().endswith(f"ago ({why})"), state
+    assert f"released       owner {lease.owner}" in tg("explain", "invoice:killed", env=env)
 
 
 def test_show_and_explain_see_a_key_whose_only_rows_are_companions(
