@@ -25,6 +25,7 @@ from taskguard.keys import (
     holder_for,
     new_owner,
     normalize_key,
+    normalize_prefix,
     optional_seconds,
     validate_limit,
     validate_marker,
@@ -410,9 +411,10 @@ class TaskGuard(AsyncLeases):
         #pending/#rate/#debounce: :mod:`taskguard.companions`) only with ``companions``."""
         if prefix is not None and not isinstance(prefix, str):
             raise InvalidKey(f"prefix must be a str, not {type(prefix).__name__}", prefix)
+        stored = normalize_prefix(prefix or "")  # keys are stored in NFC
 
         def read(n: int) -> list[LockInfo]:
-            return self._store.held(prefix or "", include_expired=include_expired, limit=n)
+            return self._store.held(stored, include_expired=include_expired, limit=n)
 
         return read(int(limit)) if companions else without_companions(read, int(limit))
 
