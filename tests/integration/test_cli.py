@@ -336,16 +336,32 @@ def test_show_json_for_a_missing_key_prints_a_json_error(env: dict[str, str]) ->
     assert json.loads(proc.stdout)["key"] == "celery:none"
 
 
-def _switch_to_application_alembic(url: str) -> None:
+def _switch_to_application_alembic(url: str, *, drop: bool = True) -> None:
     """docs/alembic.md, "Switching from way 1 to way 2": taskguard's head recorded in
-    the application's alembic_version, taskguard's own version table dropped."""
+    the application's alembic_version, taskguard's own version table dropped (unless
+    ``drop=False``: the switch left half done)."""
     from taskguard import schema
 
     libpq = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
     with psycopg.connect(libpq, autocommit=True) as conn:
         conn.execute("CREATE TABLE alembic_version (version_num varchar(32) PRIMARY KEY)")
         conn.execute("INSERT INTO alembic_version VALUES ('5f2c1a9d0e11'), (%s)", [schema.head()])
-        conn.execute("DROP TABLE taskguard_alembic_version")
+        if drop:
+            conn.execute("DROP TABLE taskguard_alembic_version")
+
+
+def test_db_current_names_the_stale_version_table_when_both_exist(empty_pg_url: str) -> None:
+    """Issue 41, defect 8f: with taskguard_alembic_version and the application's
+    alembic_version both recording taskguard's revision, `db current` said "up to date"."""
+    env = {**base_env(), "TASKGUARD_DATABASE_URL": with_password(empty_pg_url)}
+    tg("db", "upgrade", env=env)
+    _switch_to_application_alembic(empty_pg_url, drop=False)
+    out = tg("db", "current", env=env)
+    head = schema.head()
+    assert out.startswith(f"{head} (up to date, in taskguard_alembic_version, the table"), out
+    assert f"alembic_version also records {head}, ignored while" in out and "(stale)" in out
+    assert "DROP TABLE taskguard_alembic_version" in out, out
+    assert f"DELETE FROM alembic_version WHERE version_num IN ('{head}')" in out, out
 
 
 def test_db_commands_after_switching_to_the_applications_alembic(empty_pg_url: str) -> None:
