@@ -27,6 +27,7 @@ from django.contrib.admin.views.main import ChangeList
 from django.db.models import Q
 from django.template.response import TemplateResponse
 from django.utils import timezone
+from django.utils.html import format_html
 
 from taskguard import history
 from taskguard.companions import ENDING, FINISHED_PREFIX
@@ -62,6 +63,13 @@ def _when(value: datetime) -> str:
     if timezone.is_aware(value):
         value = timezone.localtime(value)
     return f"{value:%Y-%m-%d %H:%M:%S}.{value.microsecond // 1000:03d}"
+
+
+def _wrapping(value: str) -> str:
+    """``value`` made printable, allowed to wrap anywhere (a long key without spaces
+    would widen its column past the screen)."""
+    safe: str = format_html('<span style="overflow-wrap: anywhere">{}</span>', printable(value))
+    return safe
 
 
 def _shown(field: str, label: str | None = None) -> Callable[[Any], str | None]:
@@ -167,16 +175,15 @@ def _selected(key: str) -> str:
 class HeldLockAdmin(_ReadOnly):
     """Live leases, as ``taskguard locks`` lists them (database clock)."""
 
+    # Times first and one holder column: a long key wraps instead of pushing the
+    # rest off the screen.
     list_display = (
-        _shown("key"),
-        "slot",
-        _shown("task_name"),
-        _shown("task_id"),
-        _shown("hostname"),
-        "pid",
-        "token",
-        _moment("acquired_at", "acquired"),
+        _moment("acquired_at", "since"),
         _moment("expires_at", "expires"),
+        _column("key", _wrapping),
+        "holder",
+        "slot",
+        "token",
     )
     search_fields = ("key", "task_name", "task_id")
     list_filter = (_Rows, _ByTask, _ByHost)
@@ -185,6 +192,11 @@ class HeldLockAdmin(_ReadOnly):
 
     def get_queryset(self, request: Any) -> Any:
         return _rows(super().get_queryset(request), request.GET.get(_Rows.parameter_name))
+
+    @admin.display(description="held by", ordering="task_name")
+    def holder(self, obj: Any) -> str:
+        """The one holder text (:meth:`taskguard.lease.Holder.describe`), made printable."""
+        return printable(Holder(obj.task_name, obj.task_id, obj.hostname, obj.pid).describe())
 
     # Django < 5.0 takes the column's header (the select-all box) from the description.
     @admin.display(description=getattr(admin.ModelAdmin.action_checkbox, "short_description", None))

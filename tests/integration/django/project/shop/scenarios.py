@@ -346,6 +346,28 @@ class AdminPages(TransactionTestCase):
         finally:
             guard.dispose()
 
+    def test_the_lists_are_compact_and_their_filters_use_the_rows_words(self) -> None:
+        """Issue 41, defect 8g: the held-locks list pushed holder, token, since and expiry
+        off a 1,400 px screen; the history's filters said "By at" and "conflict" where
+        rows say "turned away"."""
+        history = TaskGuard(database_url(), history=True)
+        try:
+            self.assertIsNone(history.acquire(self.key, ttl=30, task_name="shop.turned"))
+        finally:
+            history.dispose()
+        self.client.force_login(self.viewer)
+        page = self.client.get(CHANGELIST).content.decode()
+        columns = re.findall(r'<th scope="col" class="[^"]*column-(\w+)', page)
+        self.assertEqual(columns, ["acquired_at", "expires_at", "key", "holder", "slot", "token"])
+        self.assertIn("task shop.import_feed id t-1 on w1 pid 42", page)
+        self.assertIn('<span style="overflow-wrap: anywhere">' + self.key, page)
+        history_page = self.client.get(HISTORY, {"q": self.key}).content.decode()
+        self.assertIn("By time", history_page)
+        self.assertNotIn("By at", history_page)
+        self.assertIn("event=conflict&amp;q=", history_page)  # the filter's value stays
+        self.assertIn(">turned away</a>", history_page)
+        self.assertNotIn(">conflict</a>", history_page)
+
     def test_nothing_can_be_added_changed_or_deleted(self) -> None:
         self.client.force_login(self.operator)
         self.assertEqual(self.client.get(CHANGELIST + "add/").status_code, 403)
