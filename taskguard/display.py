@@ -13,13 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING
 
 from taskguard.companions import KINDS, kind
+from taskguard.history import EVENTS, LockEvent
 from taskguard.lease import Holder, LockInfo
-
-if TYPE_CHECKING:
-    from taskguard.history import LockEvent
 
 __all__ = [
     "LOCKS_HEADERS",
@@ -163,20 +160,25 @@ def _when(value: datetime) -> str:
     return value.isoformat(sep=" ", timespec="milliseconds")
 
 
-def _state(info: LockInfo) -> str:
+def _state(info: LockInfo, ending: LockEvent | None) -> str:
     if info.held:
         role = kind(info.key)
         return "held" if role is None else f"held ({KINDS[role]})"
-    return f"expired {format_duration(-info.expires_in)} ago (row not yet reaped)"
+    ago = format_duration(-info.expires_in)
+    if ending is None:  # no history of it: a release and an expiry leave the same row
+        return f"free, ended {ago} ago (released or expired; row not yet reaped)"
+    how = EVENTS.get(ending.event, ending.event)
+    return f"free, {how} {ago} ago{f' ({ending.detail})' if ending.detail else ''}"
 
 
-def lock_details(info: LockInfo) -> str:
-    """One lock row as ``name: value`` lines (``taskguard show``)."""
+def lock_details(info: LockInfo, ending: LockEvent | None = None) -> str:
+    """One lock row as ``name: value`` lines (``taskguard show``); ``ending``: how
+    its lease ended, as the key's history tells it (:func:`taskguard.history.endings`)."""
     h = info.holder
     fields = [
         ("key", info.key),
         ("slot", str(info.slot)),
-        ("state", _state(info)),
+        ("state", _state(info, ending)),
         ("owner", info.owner),
         ("token", str(info.token)),
         ("task", _dash(h.task_name)),

@@ -36,6 +36,12 @@ __all__ = [
 ]
 
 
+#: The one wording of a conflict's holder that was gone when it was read (it
+#: released between the refused attempt and the read): see
+#: :func:`taskguard.lease.describe_holder`.
+HOLDER_GONE = "a holder that released before it could be read"
+
+
 class TaskGuardError(Exception):
     """Base class of all taskguard errors.
 
@@ -94,9 +100,8 @@ class LockHeld(TaskGuardError):
         super().__init__(key, None, message or self._describe())
 
     def _describe(self) -> str:
-        if self.holder is None:
-            return f"lock {self.key!r} is held (holder released before it could be read)"
-        return f"lock {self.key!r} is held by {self.holder.describe()}"
+        who = HOLDER_GONE if self.holder is None else self.holder.describe()
+        return f"lock {self.key!r} is held by {who}"
 
     def __str__(self) -> str:
         return str(self.args[2])

@@ -25,12 +25,21 @@ from taskguard.keys import (
     holder_for,
     new_owner,
     normalize_key,
+    normalize_prefix,
     optional_seconds,
     validate_limit,
     validate_marker,
     validate_ttl,
 )
-from taskguard.lease import Attempt, Holder, Lease, LockInfo, Marker, ReapResult
+from taskguard.lease import (
+    Attempt,
+    Holder,
+    Lease,
+    LockInfo,
+    Marker,
+    ReapResult,
+    describe_holder,
+)
 from taskguard.store import Store
 from taskguard.urls import url_source
 from taskguard.waiting import wait_for
@@ -218,7 +227,7 @@ class TaskGuard(AsyncLeases):
             log.info(
                 "lock %r is held by %s; waiting up to %gs",
                 key,
-                current.describe() if current else "a holder that just released",
+                describe_holder(current),
                 waiting,
             )
             slots = range(slot, slot + 1) if n == 1 else range(n)
@@ -246,12 +255,9 @@ class TaskGuard(AsyncLeases):
         if current is None and values["unless"] is not None:
             current = self._store.live_holder(values["unless"])
         gave_up = f" (gave up after waiting {waited:.3f}s)" if waited else ""
-        if current is None:
-            log.info("lock %r busy; holder released before it could be read%s", key, gave_up)
-        else:
-            log.info("lock %r is held by %s%s", key, current.describe(), gave_up)
+        log.info("lock %r is held by %s%s", key, describe_holder(current), gave_up)
         if self.history and record_refusal:
-            what = f"held by {current.describe()}" if current else "holder released before read"
+            what = f"held by {describe_holder(current)}"
             self._store.history.record(
                 "conflict",
                 key,
@@ -418,9 +424,10 @@ class TaskGuard(AsyncLeases):
         #pending/#rate/#debounce: :mod:`taskguard.companions`) only with ``companions``."""
         if prefix is not None and not isinstance(prefix, str):
             raise InvalidKey(f"prefix must be a str, not {type(prefix).__name__}", prefix)
+        stored = normalize_prefix(prefix or "")  # keys are stored in NFC
 
         def read(n: int) -> list[LockInfo]:
-            return self._store.held(prefix or "", include_expired=include_expired, limit=n)
+            return self._store.held(stored, include_expired=include_expired, limit=n)
 
         return read(int(limit)) if companions else without_companions(read, int(limit))
 

@@ -24,7 +24,18 @@ from typing import Any
 
 from taskguard.lease import Holder, LockInfo
 
-__all__ = ["EVENTS", "RELEASED", "LockEvent", "explain", "secs", "story", "with_holders"]
+__all__ = [
+    "ENDINGS",
+    "EVENTS",
+    "RELEASED",
+    "LockEvent",
+    "endings",
+    "explain",
+    "secs",
+    "story",
+    "what",
+    "with_holders",
+]
 
 #: Every kind of event, in the words ``taskguard explain`` uses.
 EVENTS = {
@@ -40,6 +51,8 @@ EVENTS = {
 #: Events after which a grant was not taken over: it was given back, ended by an
 #: operator, or its row reaped (``taken_over``: recorded so by taskguard < 0.2).
 RELEASED = ("released", "force_released", "reaped", "taken_over")
+#: Events that end a grant in a told story (:func:`story`): those, and ``lost``.
+ENDINGS = (*RELEASED, "lost")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +96,7 @@ class LockEvent:
             parts.append(f"token {self.token}")
         if self.slot:
             parts.append(f"slot {self.slot}")
-        who = _who(self.holder)
+        who = self.holder.describe()
         if who:
             parts.append(f"({who})")
         if self.duration is not None:
@@ -162,17 +175,26 @@ def story(events: list[LockEvent]) -> list[LockEvent]:
     return [d for e in events for d in (*before.get(e.id, ()), e)]
 
 
-def _who(h: Holder) -> str:
-    return " ".join(
-        p
-        for p in (
-            f"task {h.task_name}" if h.task_name else None,
-            f"id {h.task_id}" if h.task_id else None,
-            f"on {h.hostname}" if h.hostname else None,
-            f"pid {h.pid}" if h.pid is not None else None,
-        )
-        if p
-    )
+def endings(told: Sequence[LockEvent]) -> dict[tuple[int, str | None], LockEvent]:
+    """How each grant of a told story (:func:`story`'s events) ended, by ``(slot,
+    owner)``: the first event that ended it (released, lost, taken over,
+    force-released, reaped). A grant not in it has not ended as far as history says."""
+    ends: dict[tuple[int, str | None], LockEvent] = {}
+    for e in told:
+        if e.event in ENDINGS:
+            ends.setdefault((e.slot, e.owner), e)
+    return ends
+
+
+def what(event: LockEvent, ends: dict[tuple[int, str | None], LockEvent]) -> str:
+    """The word for one recorded event (a list of events, such as the Django admin's,
+    which has no line of its own for a takeover): a grant that :func:`story` found
+    taken over says so. ``ends``: :func:`endings` of the told story."""
+    word = EVENTS.get(event.event, event.event)
+    end = ends.get((event.slot, event.owner)) if event.event == "acquired" else None
+    if end is not None and end.event == "taken_over":
+        return f"{word}; then {EVENTS['taken_over']} (lease expired without release)"
+    return word
 
 
 def secs(seconds: float) -> str:
@@ -201,7 +223,7 @@ def explain(key: str, events: Sequence[LockEvent], rows: Sequence[LockInfo]) -> 
     if live:
         lines.append(f"now: held ({len(live)} holder(s))")
         for r in live:
-            who = _who(r.holder)
+            who = r.holder.describe()
             lines.append(
                 f"  slot {r.slot}: owner {r.owner} token {r.token}"
                 f"{f' ({who})' if who else ''}, held for {secs(r.held_for.total_seconds())}, "

@@ -62,6 +62,7 @@ __all__ = [
     "holder_for",
     "new_owner",
     "normalize_key",
+    "normalize_prefix",
     "optional_seconds",
     "validate_holder",
     "validate_limit",
@@ -125,6 +126,11 @@ def normalize_key(key: object) -> str:
         return stored
     digest = hashlib.sha256(stored.encode("utf-8")).hexdigest()[:_DIGEST_CHARS]
     return f"{stored[:_PREFIX_CHARS]}#{digest}"
+
+
+def normalize_prefix(prefix: str) -> str:
+    """A key prefix in the normal form keys are stored in (NFC), so it finds them."""
+    return prefix if prefix.isascii() else unicodedata.normalize("NFC", prefix)
 
 
 def validate_ttl(ttl: object, *, name: str = "ttl") -> float:

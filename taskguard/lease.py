@@ -6,9 +6,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
+from taskguard.exceptions import HOLDER_GONE
 from taskguard.fencing import fence
 
 __all__ = [
+    "HOLDER_GONE",
     "MARKER",
     "SKIPPED",
     "Attempt",
@@ -17,6 +19,7 @@ __all__ = [
     "LockInfo",
     "Marker",
     "ReapResult",
+    "describe_holder",
     "is_marker",
     "is_skipped",
     "skipped_result",
@@ -30,6 +33,20 @@ class Holder(NamedTuple):
     task_id: str | None = None
     hostname: str | None = None
     pid: int | None = None
+
+    def describe(self) -> str:
+        """The one text naming a holder: ``task T id I on H pid P`` (what is known;
+        empty when nothing is)."""
+        return " ".join(
+            part
+            for part in (
+                f"task {self.task_name}" if self.task_name else None,
+                f"id {self.task_id}" if self.task_id else None,
+                f"on {self.hostname}" if self.hostname else None,
+                f"pid {self.pid}" if self.pid is not None else None,
+            )
+            if part
+        )
 
 
 @dataclass(slots=True)
@@ -148,19 +165,9 @@ class LockInfo:
 
     def describe(self) -> str:
         """One line naming the holder, for logs and error messages."""
-        h = self.holder
-        who = " ".join(
-            part
-            for part in (
-                f"task {h.task_name}" if h.task_name else None,
-                f"id {h.task_id}" if h.task_id else None,
-                f"on {h.hostname}" if h.hostname else None,
-                f"pid {h.pid}" if h.pid is not None else None,
-            )
-            if part
-        )
         return (
-            f"owner {self.owner} ({who or 'no holder details'}), token {self.token}, "
+            f"owner {self.owner} ({self.holder.describe() or 'no holder details'}), "
+            f"token {self.token}, "
             f"expires {self.expires_at.isoformat()}"
         )
 
@@ -181,6 +188,12 @@ class LockInfo:
             "held_for_seconds": round(self.held_for.total_seconds(), 3),
             "expires_in_seconds": round(self.expires_in.total_seconds(), 3),
         }
+
+
+def describe_holder(holder: LockInfo | None) -> str:
+    """The holder a conflict found, for logs, errors and history: ``None`` (it
+    released before it could be read) is :data:`HOLDER_GONE`."""
+    return HOLDER_GONE if holder is None else holder.describe()
 
 
 class Attempt(NamedTuple):

@@ -191,11 +191,25 @@ class Installed:
     #: ``True``: recorded in the application's own ``alembic_version`` (way 2);
     #: ``False``: in taskguard's ``taskguard_alembic_version`` (way 1), or nowhere.
     by_application: bool = False
+    #: taskguard's revisions in the application's ``alembic_version`` too, ignored
+    #: while taskguard's own table exists (a switch to way 2 left half done).
+    stale: tuple[str, ...] = ()
 
     @property
     def where(self) -> str:
         """The version table, for messages."""
         return "your application's alembic_version" if self.by_application else VERSION_TABLE
+
+    def stale_note(self) -> str:
+        """Which version table is stale when both record taskguard (:attr:`stale`), and
+        the fix either way."""
+        ids = ", ".join(repr(r) for r in self.stale)
+        return (
+            f"your application's alembic_version also records {', '.join(self.stale)}, "
+            f"ignored while {VERSION_TABLE} exists (stale). Keep one: for your Alembic "
+            f"(docs/alembic.md, way 2) DROP TABLE {VERSION_TABLE}; for `taskguard db "
+            f"upgrade` (way 1) DELETE FROM alembic_version WHERE version_num IN ({ids})"
+        )
 
     def upgrade_command(self) -> str:
         """What brings this schema to the head revision, for a one-line message."""
@@ -215,11 +229,11 @@ def installed(url_or_engine: str | URL | Engine) -> Installed:
         with engine.connect() as conn:
             ctx = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
             own = sorted(ctx.get_current_heads())
-            if own:
-                return Installed(own)
             # The default version table: alembic_version.
             theirs = set(MigrationContext.configure(conn).get_current_heads())
             mine = sorted(theirs & _revisions()) if theirs else []
+            if own:
+                return Installed(own, stale=tuple(mine))
             return Installed(mine, by_application=bool(mine))
     except Exception as exc:
         raise translate_error(exc, mask_url(engine.url)) from exc

@@ -11,7 +11,7 @@ from sqlalchemy import exc as sa_exc
 
 from taskguard.exceptions import ConfigurationError
 
-__all__ = ["mask_text", "mask_url", "parse_url", "url_source"]
+__all__ = ["EXPECTED_FORM", "mask_text", "mask_url", "parse_url", "url_source"]
 
 #: Query parameters that carry a secret (libpq and psycopg accept the password there too).
 _SECRET_PARAMS = frozenset({"password", "passwd", "pass", "sslpassword", "sslkey_password"})
@@ -65,13 +65,35 @@ def parse_url(url: str | URL) -> URL:
     naming the masked URL if it cannot be parsed."""
     try:
         parsed = make_url(url)
-    except sa_exc.ArgumentError as exc:
-        raise ConfigurationError(f"invalid database URL {mask_url(url)!r}: {exc}") from None
+    except (sa_exc.ArgumentError, ValueError) as exc:
+        raise ConfigurationError(_unparseable(str(url), exc)) from None
     if parsed.drivername in _PG_SCHEMES:
         # As DATABASE_URL and Django settings write it. SQLAlchemy would look for a
         # `postgres` plugin, or default to psycopg2, which taskguard does not use.
         parsed = parsed.set(drivername="postgresql+psycopg")
     return parsed
+
+
+#: What a database URL looks like, for the message refusing one.
+EXPECTED_FORM = (
+    "expected SCHEME://USER@HOST[:PORT]/DATABASE (USER:PASSWORD@ with a password), "
+    "e.g. postgresql://app@db.example.com:5432/app or sqlite:///path/to/locks.db"
+)
+_SCHEME = re.compile(r"[A-Za-z][\w+.-]*")
+
+
+def _unparseable(text: str, exc: Exception) -> str:
+    """Why ``text`` is no URL: its scheme (the rest may hold a password, so it is not
+    echoed) and the form expected."""
+    scheme = _SCHEME.match(text)
+    if scheme is None:
+        seen = "no SCHEME:// at its start"
+    elif not text[scheme.end() :].startswith("://"):
+        seen = f"{scheme[0]!r} not followed by '://'"
+    else:
+        port = isinstance(exc, ValueError) and not isinstance(exc, sa_exc.ArgumentError)
+        seen = f"scheme {scheme[0]!r}, {'a port that is no number' if port else 'the rest'}"
+    return f"invalid database URL ({seen}): {EXPECTED_FORM}"
 
 
 def url_source(value: Any) -> Any:

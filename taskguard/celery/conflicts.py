@@ -31,10 +31,9 @@ from typing import Any, ClassVar
 
 from taskguard import signals
 from taskguard.celery.deferral import conflict_countdown
-from taskguard.celery.leasing import describe_holder
 from taskguard.celery.message import Header, Submission, in_canvas, is_shortened
 from taskguard.exceptions import AlreadyLocked, ConfigurationError
-from taskguard.lease import LockInfo, skipped_result
+from taskguard.lease import LockInfo, describe_holder, skipped_result
 
 __all__ = ["RETRY", "SKIP", "STRATEGIES", "Strategy", "check_options", "strategy_named"]
 

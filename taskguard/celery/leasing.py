@@ -54,7 +54,6 @@ __all__ = [
     "acquire_or_holder",
     "clamp_ttl",
     "default_ttl",
-    "describe_holder",
     "drop_late_copy",
     "finished_key",
     "held_seconds",
@@ -80,14 +79,6 @@ def default_ttl(app: Any, ttl: float | None) -> float:
 
 def clamp_ttl(seconds: float) -> float:
     return min(MAX_TTL, max(seconds, 0.001))
-
-
-def describe_holder(holder: LockInfo | None) -> str:
-    return (
-        holder.describe()
-        if holder is not None
-        else "a holder that released before it could be read"
-    )
 
 
 #: A conflict whose holder was gone when it was read means the key had just been

@@ -24,13 +24,13 @@ from typing import Any
 
 from taskguard.celery.conflicts import Strategy
 from taskguard.celery.deferral import defer, poll_countdown
-from taskguard.celery.leasing import acquire_or_holder, describe_holder, release_quietly
+from taskguard.celery.leasing import acquire_or_holder, release_quietly
 from taskguard.celery.message import stored_task_id
 from taskguard.companions import companion_key
 from taskguard.exceptions import ConfigurationError
 from taskguard.guard import TaskGuard
 from taskguard.keys import MAX_LIMIT, MAX_TTL
-from taskguard.lease import LockInfo
+from taskguard.lease import LockInfo, describe_holder
 
 __all__ = ["BUSY", "RATE_FORMS", "Rate", "parse_rate", "rate_key", "take_start"]
 

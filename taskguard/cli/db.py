@@ -84,6 +84,8 @@ def current(ctx: click.Context, database_url: str | None) -> None:
     status = "up to date" if state.revisions == [newest] else f"newest is {newest}"
     if state.by_application:
         status += "; managed by your application's Alembic: alembic upgrade heads"
+    if state.stale:
+        status += f", in {state.where}, the table taskguard reads; {state.stale_note()}"
     click.echo(f"{', '.join(state.revisions) or 'base'} ({status})")
 
 

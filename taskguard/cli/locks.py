@@ -21,6 +21,7 @@ from taskguard.companions import companion_rows, describe_companions
 from taskguard.config import setting
 from taskguard.display import format_duration, lock_details, locks_table, printable
 from taskguard.guard import TaskGuard
+from taskguard.history import endings
 from taskguard.lease import Lease, LockInfo
 
 __all__ = ["format_duration", "locks", "reap", "release", "show"]
@@ -99,6 +100,8 @@ def show(
     with open_guard(ctx, database_url) as guard:
         infos = guard.get_all(key)
         rows = companion_rows(key, functools.partial(guard.held, companions=True))
+        # How an ended lease ended, as `explain` tells it (one read of the history).
+        ends = endings(guard.events(key)) if any(not i.held for i in infos) else {}
     if not infos and not rows:
         fail(
             f"no lock row for {key!r} (never locked, or reaped after it expired)",
@@ -110,7 +113,7 @@ def show(
         click.echo(_json(shown))
         return
     lines = describe_companions(key, lambda _prefix: rows)  # [coalesce/rate/debounce]
-    blocks = [lock_details(info) for info in shown]
+    blocks = [lock_details(info, ends.get((info.slot, info.owner))) for info in shown]
     if lines:
         blocks.append("\n".join(printable(line, backslashes=False) for line in lines))
     if not infos:

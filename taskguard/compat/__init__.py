@@ -79,14 +79,38 @@ def configuring_app(configures: Callable[[Any], bool]) -> Any:
     return next(others, current)
 
 
-def calling_task_name() -> str | None:
-    """The name of the peer's task whose method called the backend method that calls
-    this (``QueueOnce.apply_async``, ``Singleton.aquire_lock``): the peers hand their
-    backends no task, and the row should name it."""
+#: How many callers up the stack a backend method looks for the peer's task.
+_CALLERS = 16
+
+
+def calling_task_name(app: Any = None, key: str | None = None) -> str | None:
+    """The name of the peer's task a backend method was called for, for its row: the
+    peers hand their backends no task. celery-once's keys say it (``qo_<task name>_
+    <arguments>``, :func:`celery_once.helpers.queue_once_key`): the longest name
+    registered in ``app`` that the key starts with. Otherwise (celery-singleton's keys
+    are digests) the nearest caller up the stack that is a method of a Celery task
+    (``Singleton.aquire_lock``, ``QueueOnce.apply_async``, or a subclass's override or a
+    wrapper of them, however deep)."""
     from celery import Task
 
-    caller = sys._getframe(2).f_locals.get("self")
-    return caller.name if isinstance(caller, Task) else None
+    if app is not None and key is not None and key.startswith("qo_"):
+        try:
+            registered = app.tasks
+        except RuntimeError:  # an app that is not finalized yet (autofinalize=False)
+            registered = {}
+        ends = [i for i, ch in enumerate(key) if ch == "_" and i > 3] + [len(key)]
+        named = next((key[3:i] for i in reversed(ends) if key[3:i] in registered), None)
+        if named is not None:
+            return named
+    frame = sys._getframe(1)
+    for _ in range(_CALLERS):
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            return None
+        caller = frame.f_locals.get("self")
+        if isinstance(caller, Task):
+            return str(caller.name)
+    return None
 
 
 def names_lock_database(url: object) -> bool:

@@ -85,7 +85,7 @@ class Backend:
         hour without it), not a lock that never expires."""
         ttl = self._timeout if timeout is None else timeout
         lease, holder = self.guard.try_acquire(
-            key, ttl, wait=self._wait, task_name=calling_task_name()
+            key, ttl, wait=self._wait, task_name=calling_task_name(self._app, key)
         )
         if lease is None:
             left = holder.expires_in.total_seconds() if holder is not None else 0.0

@@ -384,9 +384,13 @@ class Dialect:
                 f"{self.label}: use {ways}"
             )
         if importlib.util.find_spec(driver.module) is None:
+            # The other drivers only: this one's schemes are the ones just refused.
+            others = " or ".join(
+                f"{d.scheme}:// ({d.install})" for n, d in self.drivers.items() if n != name
+            )
             raise ConfigurationError(
                 f"{url.drivername}:// URLs need {driver.install}"
-                + (f"; or use {ways}" if len(self.drivers) > 1 else "")
+                + (f"; or use {others}" if others else "")
             )
 
     def missing_database(self, url: URL) -> str | None:

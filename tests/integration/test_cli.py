@@ -122,7 +122,25 @@ def test_show_prints_who_holds_a_key(guard: TaskGuard, env: dict[str, str]) -> N
 
     guard.release(lease)
     out = tg("show", "invoice:42", env=env)
-    assert "state:      expired" in out and "not yet reaped" in out
+    # Without history a release and an expiry leave the same row.
+    assert "state:      free, ended" in out and "released or expired; row not yet reaped" in out
+
+
+def test_show_says_how_a_lease_ended_as_explain_does(url: str, env: dict[str, str]) -> None:
+    """Issue 41, defect 8c: `show` said "expired 18.0s ago (row not yet reaped)" for a
+    lease the worker's main process released, where `explain` says released."""
+    guard = TaskGuard(url, history=True)
+    try:
+        lease = guard.acquire("invoice:killed", 300, task_name="billing.charge")
+        assert lease is not None
+        why = "by the worker's main process: worker process lost (signal 9)"
+        assert guard.release(lease, reason=why)
+    finally:
+        guard.dispose()
+    state = dict(line.split(":", 1) for line in tg("show", "invoice:killed", env=env).splitlines())
+    assert state["state"].strip().startswith("free, released "), state
+    assert state["state"].strip().endswith(f"ago ({why})"), state
+    assert f"released       owner {lease.owner}" in tg("explain", "invoice:killed", env=env)
 
 
 def test_show_and_explain_see_a_key_whose_only_rows_are_companions(
@@ -318,16 +336,32 @@ def test_show_json_for_a_missing_key_prints_a_json_error(env: dict[str, str]) ->
     assert json.loads(proc.stdout)["key"] == "celery:none"
 
 
-def _switch_to_application_alembic(url: str) -> None:
+def _switch_to_application_alembic(url: str, *, drop: bool = True) -> None:
     """docs/alembic.md, "Switching from way 1 to way 2": taskguard's head recorded in
-    the application's alembic_version, taskguard's own version table dropped."""
+    the application's alembic_version, taskguard's own version table dropped (unless
+    ``drop=False``: the switch left half done)."""
     from taskguard import schema
 
     libpq = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
     with psycopg.connect(libpq, autocommit=True) as conn:
         conn.execute("CREATE TABLE alembic_version (version_num varchar(32) PRIMARY KEY)")
         conn.execute("INSERT INTO alembic_version VALUES ('5f2c1a9d0e11'), (%s)", [schema.head()])
-        conn.execute("DROP TABLE taskguard_alembic_version")
+        if drop:
+            conn.execute("DROP TABLE taskguard_alembic_version")
+
+
+def test_db_current_names_the_stale_version_table_when_both_exist(empty_pg_url: str) -> None:
+    """Issue 41, defect 8f: with taskguard_alembic_version and the application's
+    alembic_version both recording taskguard's revision, `db current` said "up to date"."""
+    env = {**base_env(), "TASKGUARD_DATABASE_URL": with_password(empty_pg_url)}
+    tg("db", "upgrade", env=env)
+    _switch_to_application_alembic(empty_pg_url, drop=False)
+    out = tg("db", "current", env=env)
+    head = schema.head()
+    assert out.startswith(f"{head} (up to date, in taskguard_alembic_version, the table"), out
+    assert f"alembic_version also records {head}, ignored while" in out and "(stale)" in out
+    assert "DROP TABLE taskguard_alembic_version" in out, out
+    assert f"DELETE FROM alembic_version WHERE version_num IN ('{head}')" in out, out
 
 
 def test_db_commands_after_switching_to_the_applications_alembic(empty_pg_url: str) -> None:

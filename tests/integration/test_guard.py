@@ -115,6 +115,14 @@ def test_held_prefix_get_and_force_release(guard: TaskGuard) -> None:
     assert guard.get("missing") is None
 
 
+def test_a_prefix_is_normalised_as_keys_are(guard: TaskGuard) -> None:
+    """Issue 41, defect 8a: keys are stored in NFC; held(prefix=) (and `taskguard locks
+    --prefix`) compared the prefix as typed, so a decomposed "é" listed nothing."""
+    assert guard.acquire("cafe\u0301:1", 30) is not None  # stored as "caf\u00e9:1"
+    assert [i.key for i in guard.held("cafe\u0301")] == ["caf\u00e9:1"]
+    assert [i.key for i in guard.held("caf\u00e9:")] == ["caf\u00e9:1"]
+
+
 def test_adopt_hands_a_lease_over(guard: TaskGuard) -> None:
     lease = guard.acquire("k", 30)
     assert lease is not None

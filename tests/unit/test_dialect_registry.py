@@ -6,6 +6,7 @@ backend names."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,23 @@ def test_an_unsupported_driver_is_refused_naming_the_supported_ones(
     text = str(err.value)
     assert f"does not support the {named} driver" in text and supported in text, text
     assert "\n" not in text
+
+
+@pytest.mark.parametrize("scheme", ["mysql", "mariadb"])
+def test_a_missing_driver_offers_only_the_other_driver(
+    scheme: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 41, defect 8e: without mysqlclient, "mysql:// URLs need mysqlclient ...; or
+    use mysql:// (mysqlclient ...) or mysql+pymysql://": the scheme it had just refused."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "MySQLdb" else real(name, *a)
+    )
+    with pytest.raises(ConfigurationError) as err:
+        dialect_for_url(parse_url(f"{scheme}://app@db/app"))
+    text = str(err.value)
+    assert text.startswith(f"{scheme}:// URLs need mysqlclient"), text
+    assert text.endswith("; or use mysql+pymysql:// (PyMySQL: pip install PyMySQL)"), text
 
 
 def test_an_unknown_database_lists_the_supported_ones() -> None:

@@ -1,11 +1,14 @@
-"""history.story(): which grants were taken over, read from the recorded facts."""
+"""history.story(): which grants were taken over, read from the recorded facts; the
+one holder text."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 
-from taskguard.history import LockEvent, story
-from taskguard.lease import Holder
+from taskguard.exceptions import HOLDER_GONE, LockHeld
+from taskguard.history import LockEvent, endings, story, what
+from taskguard.lease import Holder, describe_holder
 
 T0 = datetime(2026, 11, 26, tzinfo=timezone.utc)
 
@@ -59,3 +62,34 @@ def test_a_release_recorded_after_the_next_grant_is_still_a_release() -> None:
 def test_a_grant_that_was_never_ended_was_taken_over() -> None:
     events = [_event(1, 0, "acquired", "a", 1), _event(2, 40, "acquired", "b", 2)]
     assert _taken_over(events) == ["a"]
+
+
+def test_what_and_endings_tell_one_verdict_per_grant() -> None:
+    """Issue 42: the admin words its rows with history.what over history.endings of
+    the same story `explain` tells (a lease lost before the next grant is not taken
+    over; one never ended is)."""
+    events = [
+        _event(1, 0, "acquired", "a", 1),
+        _event(2, 60, "lost", "a", 1),
+        _event(3, 3600, "acquired", "b", 2),
+        _event(4, 3700, "acquired", "c", 3),
+    ]
+    ends = endings(story(events))
+    assert {owner: e.event for (_, owner), e in ends.items()} == {"a": "lost", "b": "taken_over"}
+    words = [what(e, ends) for e in events]
+    assert words == [
+        "acquired",
+        "lost",
+        "acquired; then taken over (lease expired without release)",
+        "acquired",
+    ]
+
+
+def test_one_holder_text_and_one_wording_for_a_holder_gone() -> None:
+    holder = Holder("tasks.fetch", "id-1", "w1", 42)
+    assert holder.describe() == "task tasks.fetch id id-1 on w1 pid 42"
+    assert Holder().describe() == ""
+    assert describe_holder(None) == HOLDER_GONE
+    assert str(LockHeld("k")) == f"lock 'k' is held by {HOLDER_GONE}"
+    line = replace(_event(1, 0, "acquired", "a", 1), holder=holder).describe()
+    assert f"({holder.describe()})" in line

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from taskguard.urls import mask_text, mask_url
+from taskguard.exceptions import ConfigurationError
+from taskguard.urls import EXPECTED_FORM, mask_text, mask_url, parse_url
 
 
 @pytest.mark.parametrize(
@@ -80,3 +81,24 @@ def test_only_the_password_of_urls_in_a_text_is_masked(
     text: str, url: str | None, shown: str
 ) -> None:
     assert mask_text(text, url) == shown
+
+
+@pytest.mark.parametrize(
+    ("url", "seen"),
+    [
+        ("postgres//app:s3cret@db/app", "'postgres' not followed by '://'"),
+        ("sqlite:locks.db", "'sqlite' not followed by '://'"),
+        ("mysql://app:s3cret@db:port/app", "scheme 'mysql', a port that is no number"),
+        ("://app:s3cret@db/app", "no SCHEME:// at its start"),
+    ],
+)
+def test_an_unparseable_url_is_refused_with_its_scheme_and_the_form_expected(
+    url: str, seen: str
+) -> None:
+    """Issue 41, defect 8d: the error said only "'<unparseable database URL>': Could not
+    parse SQLAlchemy URL from given URL string" (a bad port: a bare int() ValueError)."""
+    with pytest.raises(ConfigurationError) as err:
+        parse_url(url)
+    text = str(err.value)
+    assert f"invalid database URL ({seen})" in text and EXPECTED_FORM in text
+    assert "s3cret" not in text

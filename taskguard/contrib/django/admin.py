@@ -23,16 +23,20 @@ from urllib.parse import quote, unquote
 from django.conf import settings
 from django.contrib import admin, messages
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
-from django.db.models import BooleanField, Exists, ExpressionWrapper, OuterRef, Q
+from django.contrib.admin.views.main import ChangeList
+from django.db.models import Q
 from django.template.response import TemplateResponse
 from django.utils import timezone
+from django.utils.html import format_html
 
+from taskguard import history
 from taskguard.companions import ENDING, FINISHED_PREFIX
 from taskguard.contrib.django import conf
 from taskguard.contrib.django.models import FORCE_RELEASE_PERMISSION, HeldLock, LockEvent
 from taskguard.contrib.django.release import force_release_as
 from taskguard.display import printable
-from taskguard.history import EVENTS, RELEASED, secs
+from taskguard.history import EVENTS, secs
+from taskguard.lease import Holder
 
 __all__ = ["HeldLockAdmin", "LockEventAdmin"]
 
@@ -59,6 +63,13 @@ def _when(value: datetime) -> str:
     if timezone.is_aware(value):
         value = timezone.localtime(value)
     return f"{value:%Y-%m-%d %H:%M:%S}.{value.microsecond // 1000:03d}"
+
+
+def _wrapping(value: str) -> str:
+    """``value`` made printable, allowed to wrap anywhere (a long key without spaces
+    would widen its column past the screen)."""
+    safe: str = format_html('<span style="overflow-wrap: anywhere">{}</span>', printable(value))
+    return safe
 
 
 def _shown(field: str, label: str | None = None) -> Callable[[Any], str | None]:
@@ -164,16 +175,15 @@ def _selected(key: str) -> str:
 class HeldLockAdmin(_ReadOnly):
     """Live leases, as ``taskguard locks`` lists them (database clock)."""
 
+    # Times first and one holder column: a long key wraps instead of pushing the
+    # rest off the screen.
     list_display = (
-        _shown("key"),
-        "slot",
-        _shown("task_name"),
-        _shown("task_id"),
-        _shown("hostname"),
-        "pid",
-        "token",
-        _moment("acquired_at", "acquired"),
+        _moment("acquired_at", "since"),
         _moment("expires_at", "expires"),
+        _column("key", _wrapping),
+        "holder",
+        "slot",
+        "token",
     )
     search_fields = ("key", "task_name", "task_id")
     list_filter = (_Rows, _ByTask, _ByHost)
@@ -182,6 +192,11 @@ class HeldLockAdmin(_ReadOnly):
 
     def get_queryset(self, request: Any) -> Any:
         return _rows(super().get_queryset(request), request.GET.get(_Rows.parameter_name))
+
+    @admin.display(description="held by", ordering="task_name")
+    def holder(self, obj: Any) -> str:
+        """The one holder text (:meth:`taskguard.lease.Holder.describe`), made printable."""
+        return printable(Holder(obj.task_name, obj.task_id, obj.hostname, obj.pid).describe())
 
     # Django < 5.0 takes the column's header (the select-all box) from the description.
     @admin.display(description=getattr(admin.ModelAdmin.action_checkbox, "short_description", None))
@@ -266,9 +281,70 @@ class _Checkbox:
         return self._label
 
 
+#: At most this many events are read to tell the story of the keys on one page.
+_STORY_EVENTS = 10_000
+
+
+def _event(row: Any) -> history.LockEvent:
+    return history.LockEvent(
+        id=row.id,
+        at=row.at,
+        key=row.key,
+        slot=row.slot,
+        event=row.event,
+        owner=row.owner,
+        token=row.token,
+        duration=row.duration,
+        holder=Holder(row.task_name, row.task_id, row.hostname, row.pid),
+        detail=row.detail,
+    )
+
+
+class _Told(ChangeList):
+    """The history's list, each row worded by the read model: the story
+    (:func:`taskguard.history.story`) of the keys on the page, from their events
+    since the page's oldest, as ``taskguard explain`` tells it."""
+
+    result_list: Any
+
+    def get_results(self, request: Any) -> None:
+        super().get_results(request)
+        rows = list(self.result_list)
+        if rows:
+            recorded = (
+                LockEvent.objects.using(conf.alias())
+                .filter(key__in={r.key for r in rows}, at__gte=min(r.at for r in rows))
+                .order_by("at", "id")[:_STORY_EVENTS]
+            )
+            by_key: dict[str, list[history.LockEvent]] = {}
+            for e in recorded:
+                by_key.setdefault(e.key, []).append(_event(e))
+            ends = {k: history.endings(history.story(events)) for k, events in by_key.items()}
+            for row in rows:
+                row.what = history.what(_event(row), ends.get(row.key, {}))
+        self.result_list = rows
+
+
+class _ByEvent(_PrintableValues):
+    """Events by the words the rows (and ``taskguard explain``) use."""
+
+    title = "event"
+    parameter_name = field = "event"
+
+    def lookups(self, request: Any, model_admin: Any) -> list[tuple[str, str]]:
+        return [(v, EVENTS.get(v, label)) for v, label in super().lookups(request, model_admin)]
+
+
+class _ByTime(admin.DateFieldListFilter):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.title = "time"
+
+
 class LockEventAdmin(_ReadOnly):
     """The lock history (``task_lock_events``): grants, conflicts, releases, ...
-    A grant that was taken over (see :func:`taskguard.history.story`) says so."""
+    each worded by the read model (:class:`_Told`): a grant that was taken over
+    says so, as ``taskguard explain`` does."""
 
     list_display = (
         _moment("at"),
@@ -285,28 +361,15 @@ class LockEventAdmin(_ReadOnly):
         _shown("detail"),
     )
     search_fields = ("key", "task_name", "task_id")
-    list_filter = ("event", _ByTask, "at")
+    list_filter = (_ByEvent, _ByTask, ("at", _ByTime))
     actions = None
 
-    def get_queryset(self, request: Any) -> Any:
-        same_slot = {"key": OuterRef("key"), "slot": OuterRef("slot")}
-        released = LockEvent.objects.filter(
-            **same_slot, owner=OuterRef("owner"), event__in=RELEASED
-        )
-        later = LockEvent.objects.filter(**same_slot, event="acquired", token__gt=OuterRef("token"))
-        taken_over = Q(event="acquired") & Q(Exists(later)) & ~Q(Exists(released))
-        return (
-            super()
-            .get_queryset(request)
-            .annotate(taken_over=ExpressionWrapper(taken_over, output_field=BooleanField()))
-        )
+    def get_changelist(self, request: Any, **kwargs: Any) -> type[ChangeList]:
+        return _Told
 
     @admin.display(description="event", ordering="event")
     def what(self, obj: Any) -> str:
-        name = EVENTS.get(obj.event, printable(obj.event))
-        if getattr(obj, "taken_over", False):
-            return f"{name}; then taken over (lease expired without release)"
-        return name
+        return printable(getattr(obj, "what", None) or EVENTS.get(obj.event, obj.event))
 
 
 # With TASKGUARD_DATABASE_URL the locks are outside Django's databases, where these

@@ -28,6 +28,7 @@ from taskguard.exceptions import ConfigurationError
 
 __all__ = [
     "ALIAS_SETTING",
+    "APP",
     "ENGINES",
     "FILE_ENGINES",
     "URL_SETTING",
@@ -105,8 +106,27 @@ def database_url() -> str:
             f"{ALIAS_SETTING} = {name!r} is not in DATABASES (aliases: {known}); "
             f"set {ALIAS_SETTING} to one of them or set {URL_SETTING}"
         )
+    _check_installed(name)
     url = url_from_settings_dict(connections[name].settings_dict, name)
     return url.render_as_string(hide_password=False)
+
+
+#: The app whose migration creates the lock tables in a ``DATABASES`` entry.
+APP = "taskguard.contrib.django"
+
+
+def _check_installed(name: str) -> None:
+    """Locks in a ``DATABASES`` entry get their tables from the app's migration: without
+    the app in ``INSTALLED_APPS`` the fix is adding it, not ``taskguard db upgrade``."""
+    from django.apps import apps
+
+    if apps.apps_ready and not apps.is_installed(APP):
+        raise ConfigurationError(
+            f"the locks are kept in DATABASES[{name!r}], whose lock tables `manage.py migrate` "
+            f'creates with the app "{APP}", which is not in INSTALLED_APPS: add it to '
+            f"INSTALLED_APPS and run `manage.py migrate` (or set {URL_SETTING} to a lock "
+            "database of its own)"
+        )
 
 
 def url_from_settings_dict(settings_dict: Mapping[str, Any], name: str = "default") -> URL:

@@ -5,6 +5,7 @@ tasks on a real worker are in test_compat_workers.py."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
 import time
@@ -279,6 +280,51 @@ def test_singleton_task_never_ends_a_lease_taken_after_its_own(
 
 
 # -- the rows: visible, expired, reaped ----------------------------------------------------
+
+
+def _wrapped(method: Any) -> Any:
+    """A decorator as a user's code may put around a task method."""
+
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return method(*args, **kwargs)
+
+    return call
+
+
+def test_the_rows_name_the_task_through_a_wrapped_or_subclassed_backend(
+    app: Celery, db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 41, defect 8b: the task name was read two frames up the stack, so a
+    backend method wrapped (a decorator) or overridden by a subclass calling super()
+    recorded none."""
+    import celery_singleton.backends
+
+    monkeypatch.setattr(OnceBackend, "raise_or_lock", _wrapped(OnceBackend.raise_or_lock))
+
+    class MySingletonBackend(SingletonBackend):
+        def lock(self, lock: str, task_id: str, expiry: float | None = None) -> bool:
+            return super().lock(lock, task_id, expiry)
+
+    celery_singleton.backends._backend = MySingletonBackend(db_url)
+    seen: dict[str, Any] = {}
+
+    @app.task(name="feeds.fetch_url", base=QueueOnce, bind=True, shared=False)
+    def fetch(self: Any, url: str) -> None:
+        seen["once"] = _row(self.once_backend.guard, self.get_key(kwargs={"url": url}))
+
+    @app.task(name="reports.build_all", base=Singleton, bind=True, shared=False)
+    def build(self: Any, report: int) -> None:
+        lock = self.generate_lock(self.name, [report])
+        seen["singleton"] = _row(self.singleton_backend.guard, lock)
+
+    fetch.apply_async(kwargs={"url": "https://example.com/a_b"})
+    build.apply_async(args=[1])
+    assert seen["once"].holder.task_name == "feeds.fetch_url"
+    assert seen["singleton"].holder.task_name == "reports.build_all"
+    backend = OnceBackend({"default_timeout": 60})
+    backend.raise_or_lock("qo_feeds.fetch_url_url-x", timeout=30)  # outside any task
+    assert _row(backend.guard, "qo_feeds.fetch_url_url-x").holder.task_name == "feeds.fetch_url"
 
 
 def test_rows_are_visible_in_the_view_and_taskguard_locks_then_reaped(

@@ -24,7 +24,7 @@ from taskguard import LeaseLost, TaskGuard
 from taskguard.config import guard_for
 from taskguard.contrib.django.conf import database_url
 from taskguard.contrib.django.models import HeldLock, LockEvent
-from taskguard.history import secs
+from taskguard.history import EVENTS, secs
 
 CHANGELIST = "/admin/taskguard/heldlock/"
 HISTORY = "/admin/taskguard/lockevent/"
@@ -284,9 +284,89 @@ class AdminPages(TransactionTestCase):
         finally:
             history.dispose()
         self.client.force_login(self.viewer)
-        page = self.client.get(HISTORY).content.decode()
+        page = self.client.get(HISTORY, {"q": key}).content.decode()
         marked = [line for line in page.splitlines() if "then taken over" in line]
         self.assertEqual(len(marked), 1, page)
+
+    def test_the_history_page_and_explain_give_the_same_verdicts(self) -> None:
+        """Issue 42: the admin judged "taken over" by its own query, which had no case
+        for a holder that recorded its lease lost before the next grant; `explain`
+        (history.story) does. The same recorded sequences, both read back."""
+        guard = TaskGuard(database_url(), history=True)
+        lost, crashed, forced, skipped, merged, main = (_key(n) for n in ("lost", "crash",
+            "forced", "skipped", "merged", "main"))  # fmt: skip
+        try:
+            expected: dict[str, set[str]] = {}
+            for key in (lost, crashed):  # ends by expiry; then another owner's grant
+                first = guard.acquire(key, ttl=0.3, task_name="shop.first")
+                assert first is not None
+                time.sleep(0.5)
+                if key == lost:
+                    self.assertFalse(guard.renew(first))  # records "lost" first
+                self.assertIsNotNone(guard.acquire(key, ttl=30, task_name="shop.next"))
+                expected[key] = set() if key == lost else {first.owner}
+            held = guard.acquire(forced, ttl=30, task_name="shop.forced")
+            self.assertTrue(guard.force_release(forced, by="olga"))
+            self.assertIsNotNone(guard.acquire(forced, ttl=30))
+            held = guard.acquire(skipped, ttl=30, task_name="shop.skipped")
+            self.assertIsNone(guard.acquire(skipped, ttl=30, task_name="shop.turned"))
+            guard.record_event(merged, "coalesced", "merged into a pending run", task_name="m")
+            held = guard.acquire(main, ttl=30, task_name="shop.killed")
+            assert held is not None
+            why = "by the worker's main process: worker process lost (signal 9)"
+            self.assertTrue(guard.release(held, reason=why))
+            self.assertIsNotNone(guard.acquire(main, ttl=30))
+            expected.update({k: set() for k in (forced, skipped, merged, main)})
+            self.client.force_login(self.viewer)
+            for key, taken_over in expected.items():
+                told = guard.explain(key)
+                page = self.client.get(HISTORY, {"q": key}).content.decode()
+                cells = [
+                    [html.unescape(c) for c in re.findall(rf'class="field-{name}">(.*?)</t[dh]>',
+                        page, re.DOTALL)]
+                    for name in ("what", "owner")
+                ]  # fmt: skip
+                rows = list(zip(*cells, strict=True))
+                self.assertTrue(rows, page)
+                admin = {o for w, o in rows if w.endswith("(lease expired without release)")}
+                lines = [
+                    (next(w for w in EVENTS.values() if line.startswith(w)),
+                     (re.findall(r"owner (\w+)", line) or ["-"])[0])
+                    for line in re.findall(r"^  \d{4}-\S+ \S+  (.*)$", told, re.M)
+                ]  # fmt: skip
+                explained = {o for w, o in lines if w == "taken over"}
+                self.assertEqual((admin, explained), (taken_over, taken_over), (told, rows))
+                words = {w.split(";")[0] for w, _ in rows}
+                self.assertEqual(words, {w for w, _ in lines} - {"taken over"}, told)
+            for key, word in ((forced, "force-released"), (skipped, "turned away"),
+                              (merged, "merged"), (main, why)):  # fmt: skip
+                self.assertIn(word, guard.explain(key))
+                page = html.unescape(self.client.get(HISTORY, {"q": key}).content.decode())
+                self.assertIn(word, page)
+        finally:
+            guard.dispose()
+
+    def test_the_lists_are_compact_and_their_filters_use_the_rows_words(self) -> None:
+        """Issue 41, defect 8g: the held-locks list pushed holder, token, since and expiry
+        off a 1,400 px screen; the history's filters said "By at" and "conflict" where
+        rows say "turned away"."""
+        history = TaskGuard(database_url(), history=True)
+        try:
+            self.assertIsNone(history.acquire(self.key, ttl=30, task_name="shop.turned"))
+        finally:
+            history.dispose()
+        self.client.force_login(self.viewer)
+        page = self.client.get(CHANGELIST).content.decode()
+        columns = re.findall(r'<th scope="col" class="[^"]*column-(\w+)', page)
+        self.assertEqual(columns, ["acquired_at", "expires_at", "key", "holder", "slot", "token"])
+        self.assertIn("task shop.import_feed id t-1 on w1 pid 42", page)
+        self.assertIn('<span style="overflow-wrap: anywhere">' + self.key, page)
+        history_page = self.client.get(HISTORY, {"q": self.key}).content.decode()
+        self.assertIn("By time", history_page)
+        self.assertNotIn("By at", history_page)
+        self.assertIn("event=conflict&amp;q=", history_page)  # the filter's value stays
+        self.assertIn(">turned away</a>", history_page)
+        self.assertNotIn(">conflict</a>", history_page)
 
     def test_nothing_can_be_added_changed_or_deleted(self) -> None:
         self.client.force_login(self.operator)
