@@ -58,7 +58,9 @@ class Overview:
     now: datetime
     held: int
     expired: int
-    at_limit: int
+    #: Keys with a live lease, and those of them with several (under a limit).
+    keys: int
+    shared: int
     oldest: LockInfo | None
     #: Conflicts per hour, oldest hour first (``None``: no history on these keys).
     conflicts: list[int] | None
@@ -70,16 +72,16 @@ class Overview:
 def overview(guard: TaskGuard) -> Overview:
     rows = guard.held(include_expired=True, limit=ROWS)
     live = [r for r in rows if r.held]
-    slots: dict[str, list[bool]] = {}
-    for r in rows:
-        slots.setdefault(r.key, []).append(r.held)
-    keys = sorted(slots, key=lambda k: not any(slots[k]))[:CHART_KEYS]
+    holders = Counter(r.key for r in live)
+    # The chart reads the history of keys held now first, then of expired rows.
+    keys = list({r.key: None for r in sorted(rows, key=lambda r: not r.held)})[:CHART_KEYS]
     now = rows[0].read_at if rows else guard.db_now()
     return Overview(
         now=now,
         held=len(live),
         expired=len(rows) - len(live),
-        at_limit=sum(all(s) for s in slots.values()),
+        keys=len(holders),
+        shared=sum(n > 1 for n in holders.values()),
         oldest=max(live, key=lambda r: r.held_for, default=None),
         conflicts=conflicts_per_hour(guard, keys, now),
         chart_keys=len(keys),
