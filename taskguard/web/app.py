@@ -189,6 +189,9 @@ class _Site:
 
     def api_key(self, request: Request) -> Response:
         view = pages.key_view(self.guard, _path_key(request, 3))
+        if not view.payload["events"] and not view.rows and not view.payload["companions"]:
+            error = f"nothing recorded for {view.key!r} (no history and no lock row)"
+            return JSONResponse({"error": error, "key": view.key}, 404)  # as `explain`
         return JSONResponse(view.payload)
 
     def healthz(self, request: Request) -> Response:

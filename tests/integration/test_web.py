@@ -113,6 +113,8 @@ def test_pages_render_and_filter(leases: TaskGuard) -> None:
     story = client.get("/api/keys/feed:1").json()
     assert [e["event"] for e in story["events"]] == ["acquired", "conflict"]
     assert story["rows"][0]["task_id"] == "t-1"
+    assert client.get("/api/keys/never").status_code == 404
+    assert "now: free (no row)" in client.get("/keys/never").text
 
 
 def test_force_release_needs_a_reason_and_records_the_operator(leases: TaskGuard) -> None:
