@@ -258,6 +258,7 @@ def test_a_real_browser_shows_each_page(sqlite_url: str, tmp_path: Path) -> None
     for pid in (7, 8):
         guard.acquire("report:daily", 600, limit=2, task_name="app.report", pid=pid)
     guard.acquire("<b>rtl\u202eevil\r\n", 600, task_name="app.hostile")
+    guard.acquire(HOSTILE[3], 600, task_name="app.hostile")
     guard.acquire("cleanup:old", 0.05, task_name="app.cleanup")
     guard.dispose()
     port = _free_port()
@@ -290,6 +291,9 @@ def test_a_real_browser_shows_each_page(sqlite_url: str, tmp_path: Path) -> None
                 pass
             assert time.monotonic() < deadline and server.poll() is None, "server did not start"
             time.sleep(0.2)
+        for key in ("<b>rtl\u202eevil\r\n", HOSTILE[3]):  # through uvicorn's decoding
+            guard_key = httpx.get(f"{base}/api/keys/{quote(key, safe='')}", timeout=30)
+            assert guard_key.status_code == 200 and guard_key.json()["key"] == key
         pages = {"overview": "/", "locks": "/locks?state=all", "key": "/keys/feed%3A0"}
         for name, path in pages.items():
             shot = tmp_path / f"web-{name}.png"
