@@ -24,6 +24,7 @@ for _module in (
     "taskguard.cli.demo",
     "taskguard.cli.explain",
     "taskguard.cli.check",
+    "taskguard.cli.web",
 ):
     try:
         __import__(_module)

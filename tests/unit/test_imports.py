@@ -22,7 +22,8 @@ def _run(code: str) -> str:
 def test_the_command_line_imports_neither_celery_tasks_nor_alembic() -> None:
     out = _run(
         "import sys, taskguard.cli\n"
-        "heavy = ('alembic', 'taskguard.celery', 'celery.app.task', 'celery.schedules')\n"
+        "heavy = ('alembic', 'taskguard.celery', 'celery.app.task', 'celery.schedules',\n"
+        "         'starlette', 'jinja2', 'uvicorn')\n"
         "print(sorted(m for m in heavy if m in sys.modules))\n"
     )
     assert out.strip() == "[]"

@@ -18,6 +18,7 @@ INTEGRATIONS = (
     "taskguard.cli",
     "taskguard.demo",
     "taskguard.contrib",
+    "taskguard.web",
 )
 #: Known exceptions (importer, integration): config reads the database URL a compat
 #: backend's own setting names (taskguard.compat.backend_url), one reading of the URL.
