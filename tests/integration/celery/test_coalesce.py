@@ -14,6 +14,7 @@ import pytest
 from billiard.exceptions import WorkerLostError
 from harness import wait_for
 from pending_harness import PendingEnv, pending_env, runs
+from tg_pending_app import SLOW_RETRY_SECONDS, SLOW_RETRY_WRITE
 
 from taskguard.celery.pending import is_coalesced
 from taskguard.celery.rate import rate_key
@@ -151,6 +152,61 @@ def test_a_revoked_pending_run_gives_its_place_back(penv: PendingEnv) -> None:
     assert not is_coalesced(after.result), after.result
     wait_for(lambda: _ended(penv, kid, 2), 20, "the next pending run")
     assert [r.note for r in runs(penv, kid)] == ["holder", "after"]
+
+
+def test_a_pending_run_revoked_by_stamped_headers_gives_its_place_back(penv: PendingEnv) -> None:
+    """Issue 41, defect 6: a pending run revoked by a stamped header
+    (``revoke_by_stamped_headers``, Celery 5.3+) kept its place until its deferred
+    copy's countdown ended (or for good: the copy was never found revoked), so the
+    next submission merged into a run that will not happen. Its state ends REVOKED
+    (it ended RETRY about half the time: REVOKED, then the RETRY of a deferral)."""
+    task = penv.task("tgp.coalesce")
+    kid = penv.key_id("stamp-revoked")
+    task.delay(kid, "holder", 4.0)
+    wait_for(lambda: _started(penv, kid, 1), 20, "the holder's run")
+    stamp = f"batch-{kid}"
+    revoked = task.apply_async((kid, "revoked", 0.1), stamped_headers=["tgbatch"], tgbatch=stamp)
+    time.sleep(1.5)  # a few re-checks: it waits as the pending run
+    penv.app.control.revoke_by_stamped_headers({"tgbatch": stamp}, reply=True, limit=1, timeout=10)
+    after = task.delay(kid, "after", 0.1)
+    assert not is_coalesced(after.result), after.result
+    wait_for(lambda: _ended(penv, kid, 2), 20, "the next pending run")
+    time.sleep(1.0)
+    assert [r.note for r in runs(penv, kid)] == ["holder", "after"]
+    wait_for(lambda: revoked.state == "REVOKED", 10, "the revoked run's state REVOKED")
+    time.sleep(1.5)  # nothing published after the revoke changes it
+    assert revoked.state == "REVOKED", revoked.state
+
+
+@pytest.mark.parametrize("by", ["id", "stamp"])
+def test_a_pending_run_revoked_while_it_defers_ends_revoked(penv: PendingEnv, by: str) -> None:
+    """Issue 41, defect 6: a revoke that reaches the worker while a pending run's
+    re-check is deferring it: the copy it publishes is discarded as revoked (REVOKED),
+    then the re-check stores RETRY; the state must end REVOKED. The test app's pool
+    process sleeps after publishing a copy of this run (a loaded machine's delay)."""
+    task = penv.task("tgp.coalesce")
+    kid = penv.key_id(f"revoked-deferring-{by}")
+    holder = penv.guard.acquire(f"co:{kid}", 30, task_name="holder")
+    assert holder is not None
+    stamp = f"batch-{kid}"
+    revoked = task.apply_async(
+        (kid, SLOW_RETRY_WRITE, 0.1), stamped_headers=["tgbatch"], tgbatch=stamp
+    )
+    # The first re-check has published its copy and now sleeps before storing RETRY.
+    penv.worker.wait_for_log(f"deferring tgp.coalesce[{revoked.id}]", 20)
+    if by == "id":
+        penv.app.control.revoke(revoked.id, reply=True, limit=1, timeout=10)
+    else:
+        penv.app.control.revoke_by_stamped_headers(
+            {"tgbatch": stamp}, reply=True, limit=1, timeout=10
+        )
+    time.sleep(SLOW_RETRY_SECONDS + 1.5)  # the RETRY is stored; the copy's countdown ended
+    assert penv.guard.release(holder)
+    time.sleep(1.0)
+    assert revoked.state == "REVOKED", revoked.state
+    assert runs(penv, kid) == []
+    row = penv.guard.get(f"co:{kid}#pending:tgp.coalesce")
+    assert row is None or not row.held
 
 
 # -- debounce= -----------------------------------------------------------------------------
