@@ -209,6 +209,29 @@ def test_a_pending_run_revoked_while_it_defers_ends_revoked(penv: PendingEnv, by
     assert row is None or not row.held
 
 
+def test_a_redelivered_copy_runs_or_is_dropped_soon_after_the_first_run_ends(
+    penv: PendingEnv,
+) -> None:
+    """Issue 41, defect 8: a copy of the same task id arriving while the first runs
+    (a broker redelivery) was put off for the holder's whole ttl ("retrying in
+    31.4 s", ttl 30) although the first run ended 2 s later. It re-checks the key
+    (polls outside max_retries) and is dropped as a late copy about a second after
+    the first run ends."""
+    task = penv.task("tgp.held")  # ttl 30
+    kid = penv.key_id("redelivered")
+    first = task.delay(kid, "first", 2.0)
+    wait_for(lambda: runs(penv, kid), 20, "the first run")
+    task.apply_async((kid, "copy", 0.1), task_id=first.id)  # the same message again
+    assert first.get(timeout=30) == "first"
+    ended = time.monotonic()
+    penv.worker.wait_for_log(f"dropped a late copy of finished tgp.held[{first.id}]", 15)
+    took = time.monotonic() - ended
+    print(f"{penv.store}: the redelivered copy was dropped {took:.2f}s after the first run ended")
+    assert took < 10.0  # ttl 30: it waited for the lease to run out before
+    assert [r.note for r in runs(penv, kid)] == ["first"]
+    assert first.get(timeout=5) == "first"
+
+
 # -- debounce= -----------------------------------------------------------------------------
 
 
