@@ -16,6 +16,7 @@ from harness import wait_for
 from pending_harness import PendingEnv, pending_env, runs
 from tg_pending_app import SLOW_RETRY_SECONDS, SLOW_RETRY_WRITE
 
+from taskguard import TaskGuard
 from taskguard.celery.pending import is_coalesced
 from taskguard.celery.rate import rate_key
 from taskguard.history import LockEvent
@@ -230,6 +231,36 @@ def test_a_redelivered_copy_runs_or_is_dropped_soon_after_the_first_run_ends(
     assert took < 10.0  # ttl 30: it waited for the lease to run out before
     assert [r.note for r in runs(penv, kid)] == ["first"]
     assert first.get(timeout=5) == "first"
+
+
+def test_a_body_holding_the_gil_past_its_ttl_learns_of_the_loss_when_python_runs_again(
+    penv: PendingEnv,
+) -> None:
+    """Issue 41, defect 7 (docs/reliability.md, guarantee 9 and "The lease on the local
+    clock"): a C call that holds the GIL past the ttl stops the renewer thread too, so
+    the lease lapses unannounced and the key can go to someone else while the call
+    runs; no lease prevents that. What is promised: as soon as Python runs again the
+    run learns it (check_lease raises, lease_lost is sent, the ERROR line), and the
+    history shows the lease taken over."""
+    task = penv.task("tgp.gil")  # ttl 2
+    kid = penv.key_id("gil")
+    key = f"gil:{kid}"
+    result = task.delay(kid, 6.0)
+    wait_for(lambda: runs(penv, kid), 20, "the run")
+    # The lease lapses about 2 s after the call took the GIL; the key is free then.
+    guard = TaskGuard(penv.lock_url, history=True)
+    second = wait_for(lambda: guard.acquire(key, 30, task_name="second"), 20, "the key")
+    log = penv.worker.log_text()
+    assert runs(penv, kid)[0].note == "holding the GIL"  # the call still runs
+    assert f"lost lock {key!r}" not in log  # and nothing was declared: no Python ran
+    learnt = result.get(timeout=30)
+    assert learnt.startswith("check_lease: ") and "lease_lost sent" in learnt, learnt
+    assert "ran out" in learnt, learnt
+    penv.worker.wait_for_log(f"lost lock {key!r}", 10)
+    assert guard.release(second)
+    story = [e.event for e in guard.events(key)]
+    guard.dispose()
+    assert "taken_over" in story, story
 
 
 # -- debounce= -----------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from celery.signals import after_task_publish
 from tg_worker_app import libpq_url
 from workers import worker_settings
 
-from taskguard import guarded_task
+from taskguard import LeaseLost, check_lease, guarded_task, signals
 
 RUNS_DDL = """
 CREATE TABLE IF NOT EXISTS tg_pending_runs (
@@ -73,6 +73,27 @@ def _slow_retry_write(body: Any = None, **_: Any) -> None:
         time.sleep(SLOW_RETRY_SECONDS)
 
 
+#: Keys whose lease the ``lease_lost`` signal declared lost in this process.
+_lost: set[str] = set()
+
+
+@signals.lease_lost.connect
+def _record_loss(sender: Any = None, key: str = "", **_: Any) -> None:
+    _lost.add(key)
+
+
+def hold_the_gil(seconds: float) -> None:
+    """One C call that keeps the GIL ``seconds`` long (no bytecode runs meanwhile,
+    in no thread of this process): ``sum(range(n))``, ``n`` measured first."""
+    n, took = 1_000_000, 0.0
+    while took < 0.2:
+        n *= 4
+        began = time.perf_counter()
+        sum(range(n))
+        took = time.perf_counter() - began
+    sum(range(int(n * seconds / took)))
+
+
 def make_app(
     broker_url: str, result_backend: str | None, queue: str, database_url: str, runs_url: str
 ) -> Celery:
@@ -107,6 +128,32 @@ def make_app(
     @guarded_task(app=app, shared=False, name="tgp.held", key="held:{key_id}", ttl=30, bind=True)
     def held(self: Any, key_id: str, note: str = "", duration: float = 0.0) -> str:
         return record(self, runs_url, key_id, note, duration)
+
+    @guarded_task(app=app, shared=False, name="tgp.gil", key="gil:{key_id}", ttl=2, bind=True)
+    def gil(self: Any, key_id: str, seconds: float) -> str:
+        """Holds the GIL past its ttl; says what the run learnt once Python ran again."""
+        conn = _conn(runs_url)
+        row = conn.execute(
+            "INSERT INTO tg_pending_runs (key_id, task_id, note, pid) VALUES (%s, %s, %s, %s) "
+            "RETURNING id",
+            (key_id, self.request.id, "holding the GIL", os.getpid()),
+        ).fetchone()
+        assert row is not None
+        hold_the_gil(seconds)
+        try:
+            check_lease()
+            learnt = "held"
+        except LeaseLost as exc:
+            learnt = f"check_lease: {exc}"
+        deadline = time.monotonic() + 5.0  # the renewer thread declares it too
+        while f"gil:{key_id}" not in _lost and time.monotonic() < deadline:
+            time.sleep(0.01)
+        learnt += "; lease_lost sent" if f"gil:{key_id}" in _lost else "; no lease_lost"
+        conn.execute(
+            "UPDATE tg_pending_runs SET ended_at = clock_timestamp(), note = %s WHERE id = %s",
+            (learnt, row[0]),
+        )
+        return learnt
 
     @guarded_task(
         app=app, shared=False, name="tgp.rate_only", key="ro:{key_id}", ttl=3, rate="3/2s",
