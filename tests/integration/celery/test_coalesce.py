@@ -245,20 +245,20 @@ def test_a_body_holding_the_gil_past_its_ttl_learns_of_the_loss_when_python_runs
     task = penv.task("tgp.gil")  # ttl 2
     kid = penv.key_id("gil")
     key = f"gil:{kid}"
-    result = task.delay(kid, 6.0)
+    result = task.delay(kid, 8.0)
     wait_for(lambda: runs(penv, kid), 20, "the run")
     # The lease lapses about 2 s after the call took the GIL; the key is free then.
     guard = TaskGuard(penv.lock_url, history=True)
     second = wait_for(lambda: guard.acquire(key, 30, task_name="second"), 20, "the key")
     log = penv.worker.log_text()
-    assert runs(penv, kid)[0].note == "holding the GIL"  # the call still runs
-    assert f"lost lock {key!r}" not in log  # and nothing was declared: no Python ran
+    (run,) = runs(penv, kid)
+    assert run.note == "holding the GIL", run  # the call still runs
+    assert f"lost lock {key!r}" not in log, log[-3000:]  # nothing declared: no Python ran
     learnt = result.get(timeout=30)
     assert learnt.startswith("check_lease: ") and "lease_lost sent" in learnt, learnt
-    assert "ran out" in learnt, learnt
     penv.worker.wait_for_log(f"lost lock {key!r}", 10)
     assert guard.release(second)
-    story = [e.event for e in guard.events(key)]
+    story = [e.event for e in guard.events(key, limit=1000)]
     guard.dispose()
     assert "taken_over" in story, story
 

@@ -86,12 +86,16 @@ def hold_the_gil(seconds: float) -> None:
     """One C call that keeps the GIL ``seconds`` long (no bytecode runs meanwhile,
     in no thread of this process): ``sum(range(n))``, ``n`` measured first."""
     n, took = 1_000_000, 0.0
-    while took < 0.2:
-        n *= 4
-        began = time.perf_counter()
-        sum(range(n))
-        took = time.perf_counter() - began
+    while took < 0.1:
+        n *= 2
+        took = min(_timed(sum, range(n)) for _ in range(3))  # the least disturbed of 3
     sum(range(int(n * seconds / took)))
+
+
+def _timed(call: Any, *args: Any) -> float:
+    began = time.perf_counter()
+    call(*args)
+    return time.perf_counter() - began
 
 
 def make_app(
