@@ -51,7 +51,7 @@ from typing import Any
 
 from celery.exceptions import TimeLimitExceeded, WorkerLostError
 from celery.platforms import signals as platform_signals
-from celery.signals import celeryd_after_setup, task_revoked, worker_init
+from celery.signals import celeryd_after_setup, task_received, task_revoked, worker_init
 from celery.utils.functional import maybe_list
 from celery.worker import state as worker_state
 from celery.worker.control import Panel
@@ -294,6 +294,18 @@ def _giving_back(command: Any, argument: str, revokes: Any) -> Any:
 
 
 worker_init.connect(give_back_at_revoke, weak=False, dispatch_uid="taskguard.celery.worker.revoke")
+
+
+def _on_received(sender: Any = None, request: Any = None, **_: Any) -> None:
+    # A copy published by an execution under way when its stamped headers were revoked
+    # (a pending run's re-check): Celery finds it revoked only when its countdown ends
+    # (a revoked task id it discards on receipt, sending task_revoked).
+    stamps = worker_state.revoked_stamps
+    if stamps and isinstance(request, GuardedRequest) and _by_stamps(stamps)(request):
+        release_unstarted(request.task, request, Header.of(request.request_dict))
+
+
+task_received.connect(_on_received, weak=False, dispatch_uid="taskguard.celery.worker.received")
 
 
 def _is_sigkill(signum: Any) -> bool:
