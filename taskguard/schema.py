@@ -10,7 +10,10 @@ recorded.
 
 from __future__ import annotations
 
+import contextlib
 import io
+import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -218,6 +221,21 @@ class Installed:
         return "`taskguard db upgrade --database-url ...` (as the schema owner)"
 
 
+@contextlib.contextmanager
+def _quiet_alembic() -> Iterator[None]:
+    """Alembic's INFO lines (its plugins set up, the context's implementation) kept
+    out of the caller's log while a revision is read: a worker's start-up check logs
+    one line of its own."""
+    logger = logging.getLogger("alembic")
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+@_quiet_alembic()
 def installed(url_or_engine: str | URL | Engine) -> Installed:
     """taskguard's applied revisions: from its own version table (way 1 of
     docs/alembic.md), else from the application's ``alembic_version`` when

@@ -45,7 +45,8 @@ late_copy_dropped = Signal(name="taskguard.late_copy_dropped")
 #: A start was put off without taking a worker slot: published again with a countdown.
 #: kwargs: ``key``, ``task_id``, ``reason`` ("rate": over ``rate=``; "busy": a
 #: ``rate=`` task without ``on_conflict`` found the key held; "coalesce": the
-#: pending run of ``on_conflict="coalesce"`` waits for the running one; "outage": the
+#: pending run of ``on_conflict="coalesce"`` waits for the running one; "redelivery":
+#: a copy of a task id waits for its other delivery's run; "outage": the
 #: lock database could not be reached before the body started), ``countdown``.
 run_deferred = Signal(name="taskguard.run_deferred")
 #: A submission of an ``on_conflict="coalesce"`` task was merged into the key's

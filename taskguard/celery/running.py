@@ -23,10 +23,10 @@ from typing import Any
 
 from taskguard import signals
 from taskguard.celery import deferral, handoff, pending, rate
-from taskguard.celery.conflicts import RETRY
-from taskguard.celery.deferral import defer
+from taskguard.celery.deferral import defer, poll_countdown
 from taskguard.celery.leasing import (
     acquire_or_holder,
+    describe_holder,
     drop_late_copy,
     finished_key,
     is_finished,
@@ -280,10 +280,26 @@ class Run(Hold):
         if self.done is not None and is_finished(self.guard, self.request.id):
             drop_late_copy(self.task, self.request, self.key)
         # Another delivery of this very message (broker redelivery) holds it: never
-        # drop or fail it; run it once that copy is done (then it is dropped as a late
-        # copy if that one finished) or its lease ran out.
+        # drop or fail it; re-check the key as a deferred start does (outside
+        # max_retries, at most about a second apart, never past the holder's expiry)
+        # and run it once that copy is done (dropped as a late copy if it finished).
         if self.owns(holder):
-            return RETRY.held_at_run(self, holder, waited)
+            polls = self.header.polls
+            if polls == 0:
+                log.warning(
+                    "%s[%s] waits for another delivery of this task id: lock %r is held by %s",
+                    self.task.name,
+                    self.request.id,
+                    self.key,
+                    describe_holder(holder),
+                )
+                signals.lock_conflict.send(
+                    sender=self.task, key=self.key, holder=holder, action="retry"
+                )
+            countdown = poll_countdown(polls, holder)
+            raise defer(
+                self.task, self.request, self.key, countdown, "redelivery", {"polls": polls + 1}
+            )
         return self.opts.strategy.held_at_run(self, holder, waited)
 
 

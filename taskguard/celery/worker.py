@@ -31,8 +31,10 @@ exception), which releases the lease. What no ``finally`` sees:
 * a message revoked or expired before it started — gives back the queue-phase
   lease or pending place it carried (``task_revoked`` receiver); one waiting out a
   countdown in the worker's ETA timer gives it back when the worker receives the
-  revoke (:func:`give_back_at_revoke`), not when the countdown ends, so a
-  submission right after the revoke does not merge into a run that will not happen.
+  revoke, by id or by stamped headers (:func:`give_back_at_revoke`), not when the
+  countdown ends, so a submission right after the revoke does not merge into a run
+  that will not happen; an execution that deferred itself meanwhile ends REVOKED,
+  not RETRY (:meth:`GuardedRequest.on_retry`).
 
 Rows are matched by task id, worker node *and* the dead child's pid, so another
 delivery's lease is never touched. A hard kill of the whole worker runs no hook
@@ -49,8 +51,9 @@ from typing import Any
 
 from celery.exceptions import TimeLimitExceeded, WorkerLostError
 from celery.platforms import signals as platform_signals
-from celery.signals import celeryd_after_setup, task_revoked, worker_init
+from celery.signals import celeryd_after_setup, task_received, task_revoked, worker_init
 from celery.utils.functional import maybe_list
+from celery.worker import state as worker_state
 from celery.worker.control import Panel
 from celery.worker.request import Request
 from kombu.asynchronous import get_event_loop
@@ -232,32 +235,77 @@ task_revoked.connect(_on_revoked, weak=False, dispatch_uid="taskguard.celery.wor
 
 
 def give_back_at_revoke(**_: Any) -> None:
-    """Make the worker's ``revoke`` remote control command also give back what the
-    revoked guarded messages waiting in its ETA timer carry (:func:`release_unstarted`),
-    once Celery has flagged them revoked (so none of them starts after). Celery itself
-    sends ``task_revoked`` for such a message only when its countdown ends.
+    """Make the worker's ``revoke`` and ``revoke_by_stamped_headers`` remote control
+    commands also give back what the guarded messages they revoke carry
+    (:func:`release_unstarted`) when the worker receives them, once Celery has
+    flagged them revoked (so none of them starts after): those waiting out a
+    countdown in the worker's ETA timer, and those being executed (a pending run's
+    re-check: the copy it publishes is found revoked before it runs). Celery itself
+    sends ``task_revoked`` for a message in the timer only when its countdown ends,
+    so a submission meanwhile would merge into a run that will not happen.
     Connected to ``worker_init``: the worker's main process only."""
-    revoke = Panel.data.get("revoke")
-    if revoke is None or getattr(revoke, "taskguard", False):
-        return
+    for name, argument, revokes in (
+        ("revoke", "task_id", _by_id),
+        ("revoke_by_stamped_headers", "headers", _by_stamps),
+    ):
+        command = Panel.data.get(name)
+        if command is not None and not getattr(command, "taskguard", False):
+            Panel.data[name] = _giving_back(command, argument, revokes)
 
-    def revoke_and_give_back(state: Any, task_id: Any, *args: Any, **kwargs: Any) -> Any:
-        reply = revoke(state, task_id, *args, **kwargs)
-        ids = set(maybe_list(task_id) or ())
+
+def _by_id(task_id: Any) -> Any:
+    ids = set(maybe_list(task_id) or ())
+    return lambda request: request.id in ids
+
+
+def _by_stamps(headers: Any) -> Any:
+    if isinstance(headers, list):  # the command line's ["name=value", ...]
+        headers = dict(header.split("=", 1) for header in headers)
+
+    def matches(request: Any) -> bool:
+        stamps = getattr(request, "stamps", None) or {}
+        return any(
+            set(maybe_list(stamps.get(name)) or ()) & set(maybe_list(values) or ())
+            for name, values in headers.items()
+        )
+
+    return matches
+
+
+def _giving_back(command: Any, argument: str, revokes: Any) -> Any:
+    # Called as the command is: ``command(state, **arguments)`` (its own argument names).
+    def revoke_and_give_back(state: Any, *args: Any, **kwargs: Any) -> Any:
+        reply = command(state, *args, **kwargs)
+        matches = revokes(kwargs[argument] if argument in kwargs else args[0])
         # The consumer's timer holds the messages waiting out a countdown, on every
         # Celery version (not the worker state's requests: a deferred copy shares its task id
         # with the run that published it, whose end drops the id from there).
         for event in state.consumer.timer.queue:
             for request in event.entry.args:
-                if isinstance(request, GuardedRequest) and request.id in ids:
+                if isinstance(request, GuardedRequest) and matches(request):
                     release_unstarted(request.task, request, Header.of(request.request_dict))
+        for request in list(worker_state.active_requests):  # its body may still run
+            if isinstance(request, GuardedRequest) and matches(request):
+                pending.give_up(request.task, Header.of(request.request_dict))
         return reply
 
     revoke_and_give_back.taskguard = True  # type: ignore[attr-defined]
-    Panel.data["revoke"] = revoke_and_give_back
+    return revoke_and_give_back
 
 
 worker_init.connect(give_back_at_revoke, weak=False, dispatch_uid="taskguard.celery.worker.revoke")
+
+
+def _on_received(sender: Any = None, request: Any = None, **_: Any) -> None:
+    # A copy published by an execution under way when its stamped headers were revoked
+    # (a pending run's re-check): Celery finds it revoked only when its countdown ends
+    # (a revoked task id it discards on receipt, sending task_revoked).
+    stamps = worker_state.revoked_stamps
+    if stamps and isinstance(request, GuardedRequest) and _by_stamps(stamps)(request):
+        release_unstarted(request.task, request, Header.of(request.request_dict))
+
+
+task_received.connect(_on_received, weak=False, dispatch_uid="taskguard.celery.worker.received")
 
 
 def _is_sigkill(signum: Any) -> bool:
@@ -304,6 +352,16 @@ class GuardedRequest(Request):  # type: ignore[misc]
         return super().on_failure(
             exc_info, send_failed_event=send_failed_event, return_ok=return_ok
         )
+
+    def on_retry(self, exc_info: Any) -> None:
+        super().on_retry(exc_info)
+        # Revoked while this execution deferred itself (a pending run's re-check) or
+        # retried: the copy it published is discarded as revoked, possibly before this
+        # execution stored RETRY. What happened is the revoke.
+        if self.id in worker_state.revoked or _by_stamps(worker_state.revoked_stamps)(self):
+            self.task.backend.mark_as_revoked(
+                self.id, "revoked", request=self._context, store_result=self.store_errors
+            )
 
     def _release_dead(self, why: str) -> None:
         release_dead_run(

@@ -14,7 +14,9 @@ import pytest
 from billiard.exceptions import WorkerLostError
 from harness import wait_for
 from pending_harness import PendingEnv, pending_env, runs
+from tg_pending_app import SLOW_RETRY_SECONDS, SLOW_RETRY_WRITE
 
+from taskguard import TaskGuard
 from taskguard.celery.pending import is_coalesced
 from taskguard.celery.rate import rate_key
 from taskguard.history import LockEvent
@@ -151,6 +153,114 @@ def test_a_revoked_pending_run_gives_its_place_back(penv: PendingEnv) -> None:
     assert not is_coalesced(after.result), after.result
     wait_for(lambda: _ended(penv, kid, 2), 20, "the next pending run")
     assert [r.note for r in runs(penv, kid)] == ["holder", "after"]
+
+
+def test_a_pending_run_revoked_by_stamped_headers_gives_its_place_back(penv: PendingEnv) -> None:
+    """Issue 41, defect 6: a pending run revoked by a stamped header
+    (``revoke_by_stamped_headers``, Celery 5.3+) kept its place until its deferred
+    copy's countdown ended (or for good: the copy was never found revoked), so the
+    next submission merged into a run that will not happen. Its state ends REVOKED
+    (it ended RETRY about half the time: REVOKED, then the RETRY of a deferral)."""
+    task = penv.task("tgp.coalesce")
+    kid = penv.key_id("stamp-revoked")
+    task.delay(kid, "holder", 4.0)
+    wait_for(lambda: _started(penv, kid, 1), 20, "the holder's run")
+    stamp = f"batch-{kid}"
+    revoked = task.apply_async((kid, "revoked", 0.1), stamped_headers=["tgbatch"], tgbatch=stamp)
+    time.sleep(1.5)  # a few re-checks: it waits as the pending run
+    penv.app.control.revoke_by_stamped_headers({"tgbatch": stamp}, reply=True, limit=1, timeout=10)
+    after = task.delay(kid, "after", 0.1)
+    assert not is_coalesced(after.result), after.result
+    wait_for(lambda: _ended(penv, kid, 2), 20, "the next pending run")
+    time.sleep(1.0)
+    assert [r.note for r in runs(penv, kid)] == ["holder", "after"]
+    wait_for(lambda: revoked.state == "REVOKED", 10, "the revoked run's state REVOKED")
+    time.sleep(1.5)  # nothing published after the revoke changes it
+    assert revoked.state == "REVOKED", revoked.state
+
+
+@pytest.mark.parametrize("by", ["id", "stamp"])
+def test_a_pending_run_revoked_while_it_defers_ends_revoked(penv: PendingEnv, by: str) -> None:
+    """Issue 41, defect 6: a revoke that reaches the worker while a pending run's
+    re-check is deferring it: the copy it publishes is discarded as revoked (REVOKED),
+    then the re-check stores RETRY; the state must end REVOKED. The test app's pool
+    process sleeps after publishing a copy of this run (a loaded machine's delay)."""
+    task = penv.task("tgp.coalesce")
+    kid = penv.key_id(f"revoked-deferring-{by}")
+    holder = penv.guard.acquire(f"co:{kid}", 30, task_name="holder")
+    assert holder is not None
+    stamp = f"batch-{kid}"
+    revoked = task.apply_async(
+        (kid, SLOW_RETRY_WRITE, 0.1), stamped_headers=["tgbatch"], tgbatch=stamp
+    )
+    # The first re-check has published its copy and now sleeps before storing RETRY.
+    penv.worker.wait_for_log(f"deferring tgp.coalesce[{revoked.id}]", 20)
+    if by == "id":
+        penv.app.control.revoke(revoked.id, reply=True, limit=1, timeout=10)
+    else:
+        penv.app.control.revoke_by_stamped_headers(
+            {"tgbatch": stamp}, reply=True, limit=1, timeout=10
+        )
+    time.sleep(SLOW_RETRY_SECONDS + 1.5)  # the RETRY is stored; the copy's countdown ended
+    assert penv.guard.release(holder)
+    time.sleep(1.0)
+    assert revoked.state == "REVOKED", revoked.state
+    assert runs(penv, kid) == []
+    row = penv.guard.get(f"co:{kid}#pending:tgp.coalesce")
+    assert row is None or not row.held
+
+
+def test_a_redelivered_copy_runs_or_is_dropped_soon_after_the_first_run_ends(
+    penv: PendingEnv,
+) -> None:
+    """Issue 41, defect 8: a copy of the same task id arriving while the first runs
+    (a broker redelivery) was put off for the holder's whole ttl ("retrying in
+    31.4 s", ttl 30) although the first run ended 2 s later. It re-checks the key
+    (polls outside max_retries) and is dropped as a late copy about a second after
+    the first run ends."""
+    task = penv.task("tgp.held")  # ttl 30
+    kid = penv.key_id("redelivered")
+    first = task.delay(kid, "first", 2.0)
+    wait_for(lambda: runs(penv, kid), 20, "the first run")
+    task.apply_async((kid, "copy", 0.1), task_id=first.id)  # the same message again
+    assert first.get(timeout=30) == "first"
+    ended = time.monotonic()
+    penv.worker.wait_for_log(f"dropped a late copy of finished tgp.held[{first.id}]", 15)
+    took = time.monotonic() - ended
+    print(f"{penv.store}: the redelivered copy was dropped {took:.2f}s after the first run ended")
+    assert took < 10.0  # ttl 30: it waited for the lease to run out before
+    assert [r.note for r in runs(penv, kid)] == ["first"]
+    assert first.get(timeout=5) == "first"
+
+
+def test_a_body_holding_the_gil_past_its_ttl_learns_of_the_loss_when_python_runs_again(
+    penv: PendingEnv,
+) -> None:
+    """Issue 41, defect 7 (docs/reliability.md, guarantee 9 and "The lease on the local
+    clock"): a C call that holds the GIL past the ttl stops the renewer thread too, so
+    the lease lapses unannounced and the key can go to someone else while the call
+    runs; no lease prevents that. What is promised: as soon as Python runs again the
+    run learns it (check_lease raises, lease_lost is sent, the ERROR line), and the
+    history shows the lease taken over."""
+    task = penv.task("tgp.gil")  # ttl 2
+    kid = penv.key_id("gil")
+    key = f"gil:{kid}"
+    result = task.delay(kid, 8.0)
+    wait_for(lambda: runs(penv, kid), 20, "the run")
+    # The lease lapses about 2 s after the call took the GIL; the key is free then.
+    guard = TaskGuard(penv.lock_url, history=True)
+    second = wait_for(lambda: guard.acquire(key, 30, task_name="second"), 20, "the key")
+    log = penv.worker.log_text()
+    (run,) = runs(penv, kid)
+    assert run.note == "holding the GIL", run  # the call still runs
+    assert f"lost lock {key!r}" not in log, log[-3000:]  # nothing declared: no Python ran
+    learnt = result.get(timeout=30)
+    assert learnt.startswith("check_lease: ") and "lease_lost sent" in learnt, learnt
+    penv.worker.wait_for_log(f"lost lock {key!r}", 10)
+    assert guard.release(second)
+    story = [e.event for e in guard.events(key, limit=1000)]
+    guard.dispose()
+    assert "taken_over" in story, story
 
 
 # -- debounce= -----------------------------------------------------------------------------

@@ -104,11 +104,19 @@ def test_a_worker_on_an_unmigrated_database_stops_at_start(empty_pg_url: str) ->
     assert "taskguard db upgrade" in line and "stopping the worker" in line, line
 
 
-def test_a_worker_logs_the_start_up_checks_ok_line_at_info(pg_url: str) -> None:
-    """docs/operations.md: the check logs one line, ``ok`` included (issue 33)."""
+def test_a_worker_logs_the_start_up_checks_ok_line_and_no_alembic_chatter(pg_url: str) -> None:
+    """docs/operations.md: the check logs one line, ``ok`` included (issue 33), and
+    nothing of Alembic's (issue 41, defect 8: about nine INFO lines, "setup plugin
+    alembic.autogenerate.*", "Context impl ...", "Will assume transactional DDL")."""
     code, out = _worker_exit(pg_url, {}, timeout=20)
     assert code is None, out[-3000:]  # still running: we had to kill it
     assert ": ok (schema at " in out, out[-3000:]
+    chatter = [
+        line
+        for line in out.splitlines()
+        if any(s in line for s in ("alembic", "Context impl", "Will assume"))
+    ]
+    assert chatter == [], chatter
 
 
 def test_a_worker_with_an_unreachable_database_starts_and_logs(empty_pg_url: str) -> None:
