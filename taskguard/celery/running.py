@@ -26,7 +26,6 @@ from taskguard.celery import deferral, handoff, pending, rate
 from taskguard.celery.deferral import defer, poll_countdown
 from taskguard.celery.leasing import (
     acquire_or_holder,
-    describe_holder,
     drop_late_copy,
     finished_key,
     is_finished,
@@ -40,7 +39,7 @@ from taskguard.config import guard_for, setting
 from taskguard.exceptions import DatabaseUnavailable
 from taskguard.holding import Hold, Interrupter, enter_run, exit_run, valid_until
 from taskguard.keys import validate_ttl
-from taskguard.lease import Holder, Lease, LockInfo, Marker, is_marker
+from taskguard.lease import Holder, Lease, LockInfo, Marker, describe_holder, is_marker
 
 __all__ = ["Run"]
 
