@@ -53,7 +53,6 @@ from taskguard.lease import Lease, LockInfo, Marker
 __all__ = [
     "acquire_or_holder",
     "clamp_ttl",
-    "default_ttl",
     "describe_holder",
     "drop_late_copy",
     "finished_key",
@@ -70,12 +69,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("taskguard.celery")
-
-
-def default_ttl(app: Any, ttl: float | None) -> float:
-    if ttl is not None:
-        return ttl
-    return validate_ttl(setting(app, "taskguard_default_ttl"), name="taskguard_default_ttl")
 
 
 def clamp_ttl(seconds: float) -> float:
