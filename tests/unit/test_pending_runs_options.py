@@ -13,11 +13,11 @@ from celery import Celery
 from prometheus_client import CollectorRegistry
 
 from taskguard import TaskGuard, guarded_task, metrics
-from taskguard.options import Conflict, Rate, parse_rate
 from taskguard.companions import companion_key, describe_companions
 from taskguard.config import reset_guards
 from taskguard.exceptions import ConfigurationError
 from taskguard.lease import Holder, LockInfo
+from taskguard.options import Conflict, Rate, parse_rate
 from taskguard.signals import run_coalesced, run_deferred
 
 
