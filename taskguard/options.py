@@ -403,8 +403,10 @@ RULES: tuple[tuple[str, Callable[[Mapping[str, Any]], bool], Any], ...] = (
     ),
     (
         "debounce",
-        lambda v: _given(v, "debounce")
-        and (v["lock"] is not Phase.RUN or v["on_conflict"] not in (None, Conflict.SKIP)),
+        lambda v: (
+            _given(v, "debounce")
+            and (v["lock"] is not Phase.RUN or v["on_conflict"] not in (None, Conflict.SKIP))
+        ),
         "= decides what a busy key does (the run waits as the key's pending run), so it "
         "needs lock='run' and no on_conflict",
     ),

@@ -133,7 +133,6 @@ def check_celery_options(task_name: str, options: Mapping[str, Any], task_class:
             )
 
 
-
 def split_options(options: dict[str, Any]) -> dict[str, Any]:
     """Remove taskguard's options from ``options`` (a decorator's keyword arguments)
     and return them; what is left is Celery's."""
@@ -155,5 +154,3 @@ def signature_of(fun: Callable[..., Any], *, bind: bool = False) -> inspect.Sign
             raise ConfigurationError(f"bind=True task {fun!r} must take the task as first argument")
         sig = sig.replace(parameters=params[1:])
     return sig
-
-
