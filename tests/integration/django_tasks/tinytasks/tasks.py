@@ -62,3 +62,9 @@ def retrying(item: int) -> int:
 @guarded(key="item:{item}", lock="queue_and_run")
 def queued_without_guarded_backend(item: int) -> int:
     return _note("queued_without_guarded_backend")
+
+
+@task()
+@guarded(key="frozen:{item}", ttl=300, lock="queue_and_run")
+def queued_long(item: int) -> int:
+    return _note("queued_long")
