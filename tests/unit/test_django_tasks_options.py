@@ -41,4 +41,6 @@ def test_takes_context_is_not_part_of_the_key() -> None:
 
     spec = guarded(key="feed:{feed_url}")(with_context).taskguard
     assert spec.takes_context and spec.key(("ctx", "https://x"), {}) == "feed:https://x"
-    assert spec.keys.derive(("https://x",), {}) == "feed:https://x"  # at enqueue: no context
+    assert (
+        spec.opts.deriver.derive(("https://x",), {}) == "feed:https://x"
+    )  # at enqueue: no context

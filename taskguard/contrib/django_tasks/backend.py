@@ -76,7 +76,7 @@ class GuardedBackend(BaseTaskBackend):  # type: ignore[misc,unused-ignore]
         if spec is None:
             return super().enqueue(task, args, kwargs)  # type: ignore[safe-super,unused-ignore]
         key, guard, ttl = (
-            spec.keys.derive(args, kwargs),
+            spec.opts.deriver.derive(args, kwargs),
             project_guard(),
             spec.durations().queue_ttl,
         )

@@ -1,12 +1,6 @@
-"""``@guarded``: the run-time lock of a django.tasks task, for any backend.
-
-Placed under ``@task``, it wraps the function every worker backend calls. The
-options are the core's (:mod:`taskguard.options`: every rule and message); this
-module reads the framework's events (the job a worker starts) and calls the core:
-the key from the bound arguments, the lease taken (or adopted from its enqueue
-through :class:`~taskguard.contrib.django_tasks.GuardedBackend`), renewed while
-the body runs (:class:`taskguard.holding.Hold`), released at the end.
-"""
+"""``@guarded``: the run-time lock of a django.tasks task, for any backend: the core's
+options (taskguard.options), the job a worker starts (its signals), the held lease
+(taskguard.holding: renewed while the body runs, released at the end)."""
 
 from __future__ import annotations
 
@@ -29,7 +23,6 @@ from taskguard.contrib.django_tasks.framework import task_finished, task_started
 from taskguard.exceptions import AlreadyLocked, ConfigurationError
 from taskguard.guard import TaskGuard
 from taskguard.holding import Hold, Interrupter, enter_run, exit_run, valid_until
-from taskguard.keys import KeyDeriver
 from taskguard.lease import MARKER, Lease, LockInfo, skipped_result
 from taskguard.options import Conflict, Durations, Framework, GuardOptions, durations
 
@@ -48,16 +41,12 @@ DEFERRED = "deferred"
 # The TaskResult the worker is about to run in this context (task_started is sent
 # by every worker backend just before it calls the function).
 _started: contextvars.ContextVar[Any] = contextvars.ContextVar("taskguard_task_result")
-task_started.connect(
-    lambda sender, task_result, **_: _started.set(task_result),
-    dispatch_uid="taskguard.django_tasks.started",
-    weak=False,
-)
-task_finished.connect(
-    lambda sender, task_result, **_: _started.set(None),
-    dispatch_uid="taskguard.django_tasks.finished",
-    weak=False,
-)
+for _signal, _value in ((task_started, True), (task_finished, False)):
+    _signal.connect(
+        lambda task_result, value=_value, **_: _started.set(task_result if value else None),
+        dispatch_uid=f"taskguard.django_tasks.{_value}",
+        weak=False,
+    )
 
 
 def _settings() -> SimpleNamespace:
@@ -81,12 +70,8 @@ class GuardSpec:
     opts: GuardOptions
     takes_context: bool
 
-    @property
-    def keys(self) -> KeyDeriver:
-        return self.opts.deriver
-
     def key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-        return self.keys.derive(args[1:] if self.takes_context else args, kwargs)
+        return self.opts.deriver.derive(args[1:] if self.takes_context else args, kwargs)
 
     def durations(self) -> Durations:
         found = _settings()

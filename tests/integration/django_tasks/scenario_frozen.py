@@ -16,9 +16,6 @@ from taskguard.contrib.django_tasks import project_guard  # noqa: E402
 project_guard().db_now()  # the pinned connection, past start-up
 print("ready", flush=True)
 sys.stdin.readline()
-import faulthandler  # noqa: E402
-
-faulthandler.dump_traceback_later(45, repeat=True)
 try:
     tasks.queued_long.enqueue(1)
     print("enqueued", flush=True)

@@ -28,7 +28,7 @@ def _line(proc: subprocess.Popen[str]) -> str:
     assert proc.stdout is not None
     for line in proc.stdout:
         print(time.strftime("%T"), "scenario:", line.rstrip(), flush=True)
-        if line.split(" ", 1)[0] in ("ready", "raised", "enqueued"):
+        if line.split()[:1] in (["ready"], ["raised"], ["enqueued"]):
             return line.strip()
     return ""
 
