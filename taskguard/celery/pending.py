@@ -67,6 +67,7 @@ from taskguard.config import guard_for
 from taskguard.exceptions import TaskGuardError
 from taskguard.guard import TaskGuard
 from taskguard.lease import MARKER, Lease, LockInfo
+from taskguard.options import Conflict
 
 __all__ = [
     "COALESCED",
@@ -209,7 +210,7 @@ def merged(sub: Submission, holder: LockInfo) -> Any:
     into = holder.holder.task_id
     log.info("merged %s[%s] into pending run %s of key %r", task.name, task_id, into, key)
     record_merge(sub.guard, task, key, task_id, into)
-    signals.lock_conflict.send(sender=task, key=key, holder=holder, action="coalesce")
+    signals.lock_conflict.send(sender=task, key=key, holder=holder, action=Conflict.COALESCE)
     signals.run_coalesced.send(sender=task, key=key, task_id=task_id, into=into, replaced=False)
     value = coalesced_result(task=task.name, task_id=task_id, key=key, into=into, phase="queue")
     return sub.answer(value)
@@ -339,7 +340,9 @@ def wait_for_key(
         if got is None and other is not None:
             into = other.holder.task_id
             record_merge(guard, task, key, request.id, into)
-            signals.lock_conflict.send(sender=task, key=key, holder=holder, action="coalesce")
+            signals.lock_conflict.send(
+                sender=task, key=key, holder=holder, action=Conflict.COALESCE
+            )
             signals.run_coalesced.send(
                 sender=task, key=key, task_id=request.id, into=into, replaced=False
             )
@@ -361,5 +364,5 @@ def wait_for_key(
             log.warning("could not renew pending run %s of %r: %s", request.id, key, exc)
     extra = {**carried(header, lease), "polls": polls + 1}
     if polls == 0:
-        signals.lock_conflict.send(sender=task, key=key, holder=holder, action="coalesce")
-    raise defer(task, request, key, countdown, "coalesce", extra)
+        signals.lock_conflict.send(sender=task, key=key, holder=holder, action=Conflict.COALESCE)
+    raise defer(task, request, key, countdown, Conflict.COALESCE, extra)
