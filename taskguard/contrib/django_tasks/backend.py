@@ -36,16 +36,10 @@ JOB_ID_WAIT = 5.0
 
 class GuardedBackend(BaseTaskBackend):  # type: ignore[misc,unused-ignore]
     """``TASKS = {"default": {"BACKEND": "taskguard.contrib.django_tasks.GuardedBackend",
-    "OPTIONS": {"BACKEND": "django_tasks_db.DatabaseBackend", ...}}}``.
-
-    A task guarded with ``lock="queue"`` or ``"queue_and_run"`` takes its key when
-    it is enqueued (for ``queue_ttl``, default its ``ttl``): while that job waits
-    (and, with ``"queue_and_run"``, runs) another enqueue of the same key raises
-    :class:`~taskguard.AlreadyLocked`, or with ``on_conflict="existing"`` returns
-    the queued job's :class:`TaskResult`. The job's run adopts the lease; a lost
-    job's lease expires. Other tasks pass through untouched. Its tasks also take
-    taskguard's options as ``@task(...)`` keyword arguments.
-    """
+    "OPTIONS": {<the real backend's settings>}}}``: a ``lock="queue"``/``"queue_and_run"``
+    task takes its key at enqueue (for ``queue_ttl``); a duplicate enqueue raises
+    :class:`~taskguard.AlreadyLocked`, or with ``on_conflict="existing"`` returns the
+    queued job's result; the job's run adopts the lease. Other tasks pass through."""
 
     #: What a guarded run checks before it relies on a lease taken at enqueue.
     takes_queue_leases = True

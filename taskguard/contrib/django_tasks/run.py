@@ -208,18 +208,10 @@ class _Run(Hold):
 
 
 def guarded(func: Callable[..., Any] | None = None, **options: Any) -> Any:
-    """Lock a django.tasks task per key while it runs; place it under ``@task``::
-
-        @task()
-        @guarded(key="feed:{url}", ttl=60)
-        def import_feed(url): ...
-
-    The options are ``@guarded_task``'s (taskguard.options), except what django.tasks
-    cannot honour (rate, debounce, coalesce: refused when the task is defined);
-    ``lock="queue"``/``"queue_and_run"`` need :class:`GuardedBackend`. The body reads
-    its lease with :func:`~taskguard.contrib.django_tasks.current_lease` or
-    ``check_lease()``. docs/django-tasks.md.
-    """
+    """Lock a django.tasks task per key while it runs; place it under ``@task``
+    (``@task()`` then ``@guarded(key="feed:{url}", ttl=60)``). The options are
+    ``@guarded_task``'s but what django.tasks cannot honour (taskguard.options);
+    the queue phases need :class:`GuardedBackend`. docs/django-tasks.md."""
 
     def decorate(f: Callable[..., Any]) -> Any:
         spec = _spec(f, dict(options))
@@ -250,8 +242,8 @@ def guarded(func: Callable[..., Any] | None = None, **options: Any) -> Any:
                 run.arm()
                 return f(*args, **kwargs)
             finally:
+                run.end()  # disarms first: nothing interrupts the release
                 exit_run(token)
-                run.end()
 
         run_sync.taskguard = spec  # type: ignore[attr-defined]
         return run_sync
