@@ -44,12 +44,14 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterable
+from datetime import datetime, timezone
 from types import FrameType
 from typing import Any
 
 from taskguard import signals
 from taskguard.deadline import call_limit
-from taskguard.exceptions import LeaseLost, TaskGuardError
+from taskguard.exceptions import DatabaseUnavailable, LeaseLost, TaskGuardError
 from taskguard.green import green_library
 from taskguard.guard import TaskGuard
 from taskguard.lease import Lease
@@ -66,6 +68,7 @@ __all__ = [
     "enter_run",
     "exit_run",
     "pool_kind",
+    "release_when_reachable",
     "renewing",
     "valid_until",
 ]
@@ -94,6 +97,59 @@ def valid_until(lease: Lease) -> float:
     if confirmed is None:
         confirmed = time.monotonic()
     return confirmed + lease.ttl * (1.0 - MARGIN)
+
+
+#: Seconds between attempts of a release that could not reach the lock database.
+RELEASE_RETRY = 2.0
+
+
+def release_when_reachable(
+    guard: TaskGuard, leases: Iterable[Lease], why: str, *, landing: bool = False
+) -> None:
+    """Release ``leases`` now; those that cannot reach the lock database are tried
+    again every :data:`RELEASE_RETRY` seconds in a daemon thread until released (or
+    expired: then they ended by themselves). For a run or an enqueue that gives up
+    because the database is unreachable. ``landing``: a lease an acquire cut off in
+    flight (``OutcomeUnknown``) may still be granted later: tried until it is
+    released or expires, also after a release that found nothing. Never raises."""
+    left = [lease for lease in leases if not _release_reached(guard, lease, why, landing)]
+    if left:
+        log.warning(
+            "lock(s) %s cannot be released now (%s); trying again until they expire",
+            ", ".join(repr(lease.key) for lease in left),
+            why,
+        )
+        threading.Thread(
+            target=_keep_releasing,
+            args=(guard, left, why, landing),
+            daemon=True,
+            name="taskguard-release",
+        ).start()
+
+
+def _release_reached(guard: TaskGuard, lease: Lease, why: str, landing: bool) -> bool:
+    """Whether the release is done: it ended the lease, or found it gone (unless
+    ``landing``: then only once it ended it)."""
+    try:
+        if guard.release(lease):
+            log.info("released lock %r (owner %s): %s", lease.key, lease.owner, why)
+            return True
+    except DatabaseUnavailable:  # also OutcomeUnknown: tried again
+        return False
+    except TaskGuardError as exc:
+        log.error("could not release lock %r (owner %s): %s", lease.key, lease.owner, exc)
+    return not landing
+
+
+def _keep_releasing(guard: TaskGuard, leases: list[Lease], why: str, landing: bool) -> None:
+    while leases:
+        time.sleep(RELEASE_RETRY)
+        now = datetime.now(timezone.utc)
+        leases = [
+            lease
+            for lease in leases
+            if lease.expires_at > now and not _release_reached(guard, lease, why, landing)
+        ]
 
 
 class Hold:

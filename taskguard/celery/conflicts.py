@@ -1,13 +1,14 @@
 """``on_conflict``: what a submission does when its key is held, one unit per strategy.
 
-Each :class:`Strategy` says which lock phases and options it accepts (checked once,
-when the task is declared), what it does when the key is held at enqueue (a queue
-phase: ``lock="queue"``/``"queue_and_run"``) and when it is held as a worker starts
-the run. The core paths (:meth:`GuardedTask.apply_async
+Each :class:`Strategy` is what one conflict mode (:class:`taskguard.options.Conflict`;
+what it accepts is the core's, :data:`taskguard.options.MODES`) does in Celery when
+the key is held at enqueue (a queue phase: ``lock="queue"``/``"queue_and_run"``) and
+when it is held as a worker starts the run. The core paths (:meth:`GuardedTask.apply_async
 <taskguard.celery.task.GuardedTask.apply_async>`, :mod:`taskguard.celery.running`)
 call the task's strategy (``options.strategy``) through its two entries,
 :meth:`~Strategy.held_at_enqueue` and :meth:`~Strategy.held_at_run`, and never
-compare names: a new strategy is one class here, registered in :data:`STRATEGIES`.
+compare names: a new mode is one value in the core and one class here, registered
+in :data:`ACTIONS`.
 
 Every conflict is logged with the key and its holder and sent as
 :data:`taskguard.signals.lock_conflict` with the action taken (by the entry).
@@ -26,42 +27,27 @@ once); ``"retry"`` publishes the member deferred, as outside a canvas.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from taskguard import signals
-from taskguard.celery.deferral import conflict_countdown
+from taskguard.celery.deferral import conflict_countdown, defer, poll_countdown
 from taskguard.celery.message import Header, Submission, in_canvas, is_shortened
-from taskguard.exceptions import AlreadyLocked, ConfigurationError
+from taskguard.exceptions import AlreadyLocked
 from taskguard.lease import LockInfo, describe_holder, skipped_result
+from taskguard.options import Conflict
 
-__all__ = ["RETRY", "SKIP", "STRATEGIES", "Strategy", "check_options", "strategy_named"]
+__all__ = ["ACTIONS", "RETRY", "SKIP", "Strategy"]
 
 log = logging.getLogger("taskguard.celery")
 
 
 class Strategy:
-    """One ``on_conflict`` value (the base class is ``"skip"``)."""
+    """The Celery actions of one conflict mode (the base class: skip)."""
 
-    name: ClassVar[str] = "skip"
+    name: ClassVar[str] = Conflict.SKIP
     #: What a conflict in the run does, as :data:`~taskguard.signals.lock_conflict`
     #: reports it: the base's :meth:`at_run` skips (also for existing, wait, coalesce).
-    run_action: ClassVar[str] = "skip"
-    #: The lock phases it works with, and why it needs them.
-    locks: ClassVar[tuple[str, ...]] = ("run", "queue", "queue_and_run")
-    needs: ClassVar[str] = ""
-    #: Options only it takes (refused with another strategy).
-    options: ClassVar[tuple[str, ...]] = ()
-    #: Its run blocks in one acquire until the key is free (``wait_timeout``).
-    waits: ClassVar[bool] = False
-    #: A busy key keeps one pending run: published as the key's pending run (or
-    #: merged into it) whether or not the key is held (taskguard.celery.pending).
-    pending: ClassVar[bool] = False
-
-    def check(self, task: str, values: Mapping[str, Any]) -> None:
-        """Refuse a lock phase it does not work with (declaration time)."""
-        if values["lock"] not in self.locks:
-            raise ConfigurationError(f"task {task}: on_conflict={self.name!r} {self.needs}")
+    run_action: ClassVar[str] = Conflict.SKIP
 
     def held_at_enqueue(self, sub: Submission, holder: LockInfo | None) -> Any:
         """The entry at enqueue: the key is held when a queue phase publishes ``sub``;
@@ -114,7 +100,7 @@ class Strategy:
 class Raise(Strategy):
     """Raise :class:`~taskguard.AlreadyLocked` (from ``apply_async``, or in the run)."""
 
-    name = run_action = "raise"
+    name = run_action = Conflict.RAISE
 
     def at_enqueue(self, sub: Submission, holder: LockInfo | None) -> Any:
         return self._refuse(sub.task, sub.task_id, sub.key, holder)
@@ -134,8 +120,7 @@ class Retry(Strategy):
     (default: until the holder's lease ends, with jitter; always that for another
     delivery of the run's own message)."""
 
-    name = run_action = "retry"
-    options = ("retry_countdown",)
+    name = run_action = Conflict.RETRY
 
     def at_enqueue(self, sub: Submission, holder: LockInfo | None) -> Any:
         task, key = sub.task, sub.key
@@ -174,12 +159,7 @@ class Existing(Strategy):
     """Return the queued holder's ``AsyncResult`` from ``apply_async``. A started
     task has nothing to point the caller at: skipped in the run, and inside a canvas."""
 
-    name = "existing"
-    locks = ("queue", "queue_and_run")
-    needs = (
-        "returns the queued holder's result at enqueue, so it needs lock='queue' or "
-        "lock='queue_and_run'"
-    )
+    name = Conflict.EXISTING
 
     def held_at_enqueue(self, sub: Submission, holder: LockInfo | None) -> Any:
         holder_task = holder.holder.task_id if holder is not None else None
@@ -201,53 +181,33 @@ class Existing(Strategy):
         return sub.task.AsyncResult(holder.holder.task_id)
 
 
-class Wait(Strategy):
-    """Block the worker in one acquire until the key is free (``wait_timeout``,
-    default ``taskguard_wait_timeout``), then run; skipped if it is still held."""
+class Defer(Strategy):
+    """``rate=`` without ``on_conflict`` (:attr:`Conflict.DEFER`): a start that finds
+    the run's lock held waits its turn (published again, polling like a pending run:
+    never dropped, as a start over the rate is not)."""
 
-    name = "wait"
-    locks = ("run",)
-    needs = "blocks a worker until the key is free, so it needs lock='run' (publishers never block)"
-    options = ("wait_timeout",)
-    waits = True
+    name = run_action = Conflict.DEFER
 
-
-class Coalesce(Strategy):
-    """At most one running and one pending run per key (taskguard.celery.pending);
-    ``coalesce_replace``: a later submission replaces the pending run."""
-
-    name = "coalesce"
-    locks = ("run",)
-    needs = "keeps one run pending while one runs, so it needs lock='run'"
-    options = ("coalesce_replace",)
-    pending = True
+    def at_run(self, run: Any, holder: LockInfo | None, waited: float | None) -> Any:
+        task, request, key = run.task, run.request, run.key
+        described = describe_holder(holder)
+        log.info("%s[%s] waits: lock %r is held by %s", task.name, request.id, key, described)
+        polls = run.header.polls
+        countdown = poll_countdown(polls, holder)
+        raise defer(task, request, key, countdown, "busy", {"polls": polls + 1})
 
 
 SKIP = Strategy()
 #: Also what another delivery of the same message does (whatever the strategy).
 RETRY = Retry()
-#: Every strategy by name, in the order the docs list them.
-STRATEGIES: dict[str, Strategy] = {
-    s.name: s for s in (SKIP, Raise(), RETRY, Existing(), Wait(), Coalesce())
+#: The Celery actions of every conflict mode (wait and coalesce act in the run's
+#: acquire and in taskguard.celery.pending; a conflict left after them skips).
+ACTIONS: dict[Conflict, Strategy] = {
+    Conflict.SKIP: SKIP,
+    Conflict.RAISE: Raise(),
+    Conflict.RETRY: RETRY,
+    Conflict.EXISTING: Existing(),
+    Conflict.WAIT: SKIP,
+    Conflict.COALESCE: SKIP,
+    Conflict.DEFER: Defer(),
 }
-#: Options some strategy owns.
-_OWNED = {option: s for s in STRATEGIES.values() for option in s.options}
-
-
-def strategy_named(task: str, name: object) -> Strategy:
-    """The strategy ``on_conflict=name`` names, or a one-line ConfigurationError."""
-    try:
-        return STRATEGIES[name]  # type: ignore[index]
-    except (KeyError, TypeError):
-        raise ConfigurationError(
-            f"task {task}: on_conflict={name!r} is not one of {', '.join(map(repr, STRATEGIES))}"
-        ) from None
-
-
-def check_options(task: str, strategy: Strategy, values: Mapping[str, Any]) -> None:
-    """Refuse another strategy's options (``retry_countdown`` without "retry", ...)."""
-    for option, owner in _OWNED.items():
-        if owner is not strategy and values[option] not in (None, False):
-            raise ConfigurationError(
-                f"task {task}: {option} applies to on_conflict={owner.name!r} only"
-            )

@@ -25,7 +25,7 @@ outside ``max_retries``), :data:`FIRST_DELAY` seconds doubling up to :data:`MAX_
 until ``taskguard_outage_retry_for`` seconds have passed since its first failure;
 after that the run fails with the error (FAILURE, one ERROR line) and gives back
 what it holds or was handed (the lease it took, the queued lease, the pending
-place), when the database answers again (:func:`~taskguard.celery.leasing.release_when_reachable`),
+place), when the database answers again (:func:`~taskguard.holding.release_when_reachable`),
 not when those leases expire. Nothing runs
 without its lock and nothing is dropped: each deferral is logged (WARNING) and sent
 as :data:`taskguard.signals.run_deferred` with reason ``"outage"`` (the metric
@@ -52,10 +52,10 @@ from typing import Any
 from celery.exceptions import Reject, Retry
 
 from taskguard import signals
-from taskguard.celery.leasing import release_when_reachable
 from taskguard.celery.message import HEADER, Header
 from taskguard.config import setting
 from taskguard.exceptions import DatabaseUnavailable, OutcomeUnknown
+from taskguard.holding import release_when_reachable
 from taskguard.keys import validate_ttl
 from taskguard.lease import Lease, LockInfo
 

@@ -33,9 +33,6 @@ may run again, as it always could.
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from collections.abc import Iterable
 from datetime import datetime, timedelta, timezone
 from typing import Any, NoReturn
 
@@ -45,7 +42,7 @@ from taskguard import signals
 from taskguard.celery.message import Header, Submission, stored_task_id
 from taskguard.companions import FINISHED_PREFIX
 from taskguard.config import setting
-from taskguard.exceptions import DatabaseUnavailable, TaskGuardError
+from taskguard.exceptions import TaskGuardError
 from taskguard.guard import TaskGuard
 from taskguard.keys import MAX_TTL, normalize_key, validate_ttl
 from taskguard.lease import Lease, LockInfo, Marker
@@ -53,7 +50,6 @@ from taskguard.lease import Lease, LockInfo, Marker
 __all__ = [
     "acquire_or_holder",
     "clamp_ttl",
-    "default_ttl",
     "drop_late_copy",
     "finished_key",
     "held_seconds",
@@ -63,18 +59,11 @@ __all__ = [
     "publish_carrying",
     "record_finished",
     "release_quietly",
-    "release_when_reachable",
     "retention",
     "send_released",
 ]
 
 log = logging.getLogger("taskguard.celery")
-
-
-def default_ttl(app: Any, ttl: float | None) -> float:
-    if ttl is not None:
-        return ttl
-    return validate_ttl(setting(app, "taskguard_default_ttl"), name="taskguard_default_ttl")
 
 
 def clamp_ttl(seconds: float) -> float:
@@ -132,50 +121,6 @@ def release_quietly(
             lease.expires_at.isoformat(),
         )
         return False
-
-
-#: Seconds between attempts of a release that could not reach the lock database.
-RELEASE_RETRY = 2.0
-
-
-def release_when_reachable(guard: TaskGuard, leases: Iterable[Lease], why: str) -> None:
-    """Release ``leases`` now; those that cannot reach the lock database are tried
-    again every :data:`RELEASE_RETRY` seconds in a daemon thread until released (or
-    expired: then they ended by themselves). For a run that gives up because the
-    database is unreachable. Never raises."""
-    left = [lease for lease in leases if not _release_reached(guard, lease, why)]
-    if left:
-        log.warning(
-            "lock(s) %s cannot be released now (%s); trying again until they expire",
-            ", ".join(repr(lease.key) for lease in left),
-            why,
-        )
-        threading.Thread(
-            target=_keep_releasing, args=(guard, left, why), daemon=True, name="taskguard-release"
-        ).start()
-
-
-def _release_reached(guard: TaskGuard, lease: Lease, why: str) -> bool:
-    """Whether the release reached the database (it ended the lease, or found it gone)."""
-    try:
-        if guard.release(lease):
-            log.info("released lock %r (owner %s): %s", lease.key, lease.owner, why)
-    except DatabaseUnavailable:  # also OutcomeUnknown: tried again
-        return False
-    except TaskGuardError as exc:
-        log.error("could not release lock %r (owner %s): %s", lease.key, lease.owner, exc)
-    return True
-
-
-def _keep_releasing(guard: TaskGuard, leases: list[Lease], why: str) -> None:
-    while leases:
-        time.sleep(RELEASE_RETRY)
-        now = datetime.now(timezone.utc)
-        leases = [
-            lease
-            for lease in leases
-            if lease.expires_at > now and not _release_reached(guard, lease, why)
-        ]
 
 
 def send_released(sender: Any, lease: Lease, released: bool, held_for: float) -> None:

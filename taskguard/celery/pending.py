@@ -49,12 +49,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
 from taskguard import signals
-from taskguard.celery.conflicts import SKIP, Strategy
 from taskguard.celery.deferral import MAX_POLL, defer, poll_countdown
 from taskguard.celery.leasing import (
     acquire_or_holder,
@@ -66,10 +64,10 @@ from taskguard.celery.leasing import (
 from taskguard.celery.message import Header, Submission, has_marker, stored_task_id
 from taskguard.companions import companion_key
 from taskguard.config import guard_for
-from taskguard.exceptions import ConfigurationError, InvalidTTL, TaskGuardError
+from taskguard.exceptions import TaskGuardError
 from taskguard.guard import TaskGuard
-from taskguard.keys import validate_ttl
 from taskguard.lease import MARKER, Lease, LockInfo
+from taskguard.options import Conflict
 
 __all__ = [
     "COALESCED",
@@ -91,29 +89,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("taskguard.celery")
-
-
-def check_debounce(task: str, values: Mapping[str, Any], strategy: Strategy) -> None:
-    """What ``debounce=``/``debounce_max=`` accept (declaration time): the run waits
-    as the key's pending run, so lock="run" and no other on_conflict."""
-    debounce, cap = values["debounce"], values["debounce_max"]
-    if debounce is not None and (values["lock"] != "run" or strategy is not SKIP):
-        raise ConfigurationError(
-            f"task {task}: debounce= decides what a busy key does (the run waits as the "
-            "key's pending run), so it needs lock='run' and no on_conflict"
-        )
-    if cap is None:
-        return
-    if debounce is None:
-        raise ConfigurationError(f"task {task}: debounce_max applies with debounce= only")
-    try:
-        wait, most = validate_ttl(debounce, name="debounce"), validate_ttl(cap, name="debounce_max")
-    except InvalidTTL as exc:
-        raise ConfigurationError(f"task {task}: {exc}") from None
-    if most < wait:
-        raise ConfigurationError(
-            f"task {task}: debounce_max ({most:g}s) must be at least debounce ({wait:g}s)"
-        )
 
 
 #: ``value["__taskguard__"]`` of a submission merged into the pending run.
@@ -235,7 +210,7 @@ def merged(sub: Submission, holder: LockInfo) -> Any:
     into = holder.holder.task_id
     log.info("merged %s[%s] into pending run %s of key %r", task.name, task_id, into, key)
     record_merge(sub.guard, task, key, task_id, into)
-    signals.lock_conflict.send(sender=task, key=key, holder=holder, action="coalesce")
+    signals.lock_conflict.send(sender=task, key=key, holder=holder, action=Conflict.COALESCE)
     signals.run_coalesced.send(sender=task, key=key, task_id=task_id, into=into, replaced=False)
     value = coalesced_result(task=task.name, task_id=task_id, key=key, into=into, phase="queue")
     return sub.answer(value)
@@ -365,7 +340,9 @@ def wait_for_key(
         if got is None and other is not None:
             into = other.holder.task_id
             record_merge(guard, task, key, request.id, into)
-            signals.lock_conflict.send(sender=task, key=key, holder=holder, action="coalesce")
+            signals.lock_conflict.send(
+                sender=task, key=key, holder=holder, action=Conflict.COALESCE
+            )
             signals.run_coalesced.send(
                 sender=task, key=key, task_id=request.id, into=into, replaced=False
             )
@@ -387,5 +364,5 @@ def wait_for_key(
             log.warning("could not renew pending run %s of %r: %s", request.id, key, exc)
     extra = {**carried(header, lease), "polls": polls + 1}
     if polls == 0:
-        signals.lock_conflict.send(sender=task, key=key, holder=holder, action="coalesce")
-    raise defer(task, request, key, countdown, "coalesce", extra)
+        signals.lock_conflict.send(sender=task, key=key, holder=holder, action=Conflict.COALESCE)
+    raise defer(task, request, key, countdown, Conflict.COALESCE, extra)

@@ -35,10 +35,9 @@ from taskguard.celery.leasing import (
     send_released,
 )
 from taskguard.celery.message import Header, stored_task_id
-from taskguard.config import guard_for, setting
+from taskguard.config import guard_for
 from taskguard.exceptions import DatabaseUnavailable
 from taskguard.holding import Hold, Interrupter, enter_run, exit_run, valid_until
-from taskguard.keys import validate_ttl
 from taskguard.lease import Holder, Lease, LockInfo, Marker, describe_holder, is_marker
 
 __all__ = ["Run"]
@@ -204,13 +203,10 @@ class Run(Hold):
             "record_refusal": self.header.polls == 0,
             **opts.acquire_options,
         }
-        if not opts.strategy.waits:  # a holder gone before it was read: tried again
+        if not opts.mode.waits:  # a holder gone before it was read: tried again
             lease, holder = acquire_or_holder(self.guard, self.key, ttl, **details)
             return lease, holder, None
-        timeout = opts.wait_timeout
-        if timeout is None:
-            setting_value = setting(task._get_app(), "taskguard_wait_timeout")
-            timeout = validate_ttl(setting_value, name="taskguard_wait_timeout")
+        timeout = task._durations().wait_timeout
         started = time.monotonic()
         attempt = self.guard.try_acquire(self.key, ttl, **details, wait=timeout)
         if attempt.lease is not None:

@@ -28,7 +28,7 @@ from celery.utils import uuid
 
 from taskguard.celery import handoff, pending
 from taskguard.celery.deferral import publish_delay, retry_delay
-from taskguard.celery.leasing import clamp_ttl, default_ttl, retention
+from taskguard.celery.leasing import clamp_ttl, retention
 from taskguard.celery.message import HEADER, Header, Submission
 from taskguard.celery.options import (
     ATTR_PREFIX,
@@ -39,10 +39,11 @@ from taskguard.celery.options import (
     split_options,
 )
 from taskguard.celery.running import Run
-from taskguard.config import guard_for
+from taskguard.config import guard_for, setting
 from taskguard.exceptions import ConfigurationError
 from taskguard.holding import active_run
 from taskguard.keys import KeyOption
+from taskguard.options import Durations, durations
 
 __all__ = ["GuardedTask", "guarded_task"]
 
@@ -84,13 +85,19 @@ class GuardedTask(Task):  # type: ignore[misc]
         """The lock key a call with ``args``/``kwargs`` would use."""
         return self.taskguard_options.deriver.derive(args, kwargs)
 
+    def _durations(self) -> Durations:
+        """The lease lengths and wait, defaults read from the app's settings once per
+        task object (like every setting)."""
+        found = self.__dict__.get("_taskguard_durations")
+        if found is None:
+            app = self._get_app()
+            found = durations(self.taskguard_options, lambda name: setting(app, name))
+            self.__dict__["_taskguard_durations"] = found
+        return found
+
     def _ttl(self) -> float:
-        """The run's lease length (read once per task object, like every setting)."""
-        ttl = self.__dict__.get("_taskguard_ttl")
-        if ttl is None:
-            ttl = default_ttl(self._get_app(), self.taskguard_options.ttl)
-            self.__dict__["_taskguard_ttl"] = ttl
-        return float(ttl)
+        """The run's lease length."""
+        return self._durations().ttl
 
     def _run_settings(self) -> tuple[GuardOptions, float, float]:
         """What every run reads (the options, the lease's ttl, the finished records'
@@ -102,8 +109,7 @@ class GuardedTask(Task):  # type: ignore[misc]
         return cached
 
     def _queue_ttl(self) -> float:
-        queue_ttl = self.taskguard_options.queue_ttl
-        return queue_ttl if queue_ttl is not None else self._ttl()
+        return self._durations().queue_ttl
 
     # -- enqueue -----------------------------------------------------------------------
 
@@ -140,7 +146,7 @@ class GuardedTask(Task):  # type: ignore[misc]
         )
         if opts.debounce is not None:  # publish late, replacing the pending run
             return pending.publish_debounced(sub)
-        if opts.strategy.pending:  # publish as the pending run, or merge into it
+        if opts.mode.pending:  # publish as the pending run, or merge into it
             return pending.publish_coalesced(sub)
         return handoff.publish(sub)  # a queue phase: take the lease, publish it
 

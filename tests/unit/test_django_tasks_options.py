@@ -21,11 +21,12 @@ def fetch(feed_url: str, batch: str = "") -> None:
     ("options", "words"),
     [
         ({"lock": "queued"}, "lock='queued' is not one of"),
-        ({"on_conflict": "coalesce"}, "on_conflict='coalesce' is not one of"),
-        ({"on_conflict": "existing"}, "use lock='queue' or 'queue_and_run'"),
+        ({"on_conflict": "coalesce"}, "on_conflict='coalesce' is not supported by django.tasks"),
+        ({"on_conflict": "existing"}, "so it needs lock='queue' or lock='queue_and_run'"),
         ({"key": "feed:{url}"}, "refers to 'url', which is not an argument"),
         ({"ttl": -1}, "ttl"),
-        ({"rate": "1/m"}, "unknown option(s) rate"),
+        ({"rate": "1/m"}, "rate= is not supported by django.tasks"),
+        ({"ttl_": 1}, "unknown taskguard option(s) ['ttl_']"),
     ],
 )
 def test_bad_options_fail_at_definition(options: dict[str, Any], words: str) -> None:
@@ -40,4 +41,6 @@ def test_takes_context_is_not_part_of_the_key() -> None:
 
     spec = guarded(key="feed:{feed_url}")(with_context).taskguard
     assert spec.takes_context and spec.key(("ctx", "https://x"), {}) == "feed:https://x"
-    assert spec.keys.derive(("https://x",), {}) == "feed:https://x"  # at enqueue: no context
+    assert (
+        spec.opts.deriver.derive(("https://x",), {}) == "feed:https://x"
+    )  # at enqueue: no context

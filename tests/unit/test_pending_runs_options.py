@@ -13,11 +13,11 @@ from celery import Celery
 from prometheus_client import CollectorRegistry
 
 from taskguard import TaskGuard, guarded_task, metrics
-from taskguard.celery.rate import Rate, parse_rate
 from taskguard.companions import companion_key, describe_companions
 from taskguard.config import reset_guards
 from taskguard.exceptions import ConfigurationError
 from taskguard.lease import Holder, LockInfo
+from taskguard.options import Conflict, Rate, parse_rate
 from taskguard.signals import run_coalesced, run_deferred
 
 
@@ -25,10 +25,10 @@ def test_rate_without_on_conflict_defers_a_busy_start() -> None:
     """Issue 33, defect 6: rate= alone defers a start that finds the key held; an
     explicit on_conflict stays the user's choice."""
     opts = _define(rate="3/2s")
-    assert (opts.on_conflict, opts.defer_busy) == ("skip", True)
-    assert not _define(rate="3/2s", on_conflict="skip").defer_busy
-    assert not _define(rate="3/2s", on_conflict="raise").defer_busy
-    assert not _define().defer_busy and _define().on_conflict == "skip"
+    assert (opts.on_conflict, opts.conflict) == (None, Conflict.DEFER)
+    assert _define(rate="3/2s", on_conflict="skip").conflict is Conflict.SKIP
+    assert _define(rate="3/2s", on_conflict="raise").conflict is Conflict.RAISE
+    assert _define().conflict is Conflict.SKIP and _define().on_conflict is None
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import time
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from asgiref.sync import sync_to_async
@@ -18,38 +20,26 @@ from django.utils.module_loading import import_string
 
 from taskguard.contrib.django_tasks.framework import BaseTaskBackend, TaskResult
 from taskguard.contrib.django_tasks.run import GuardSpec, guarded, project_guard
-from taskguard.exceptions import AlreadyLocked, ConfigurationError
+from taskguard.exceptions import AlreadyLocked, ConfigurationError, OutcomeUnknown
+from taskguard.guard import TaskGuard
+from taskguard.holding import release_when_reachable
+from taskguard.lease import Lease, LockInfo, describe_holder
+from taskguard.options import OPTION_NAMES, Conflict
 
 __all__ = ["GuardedBackend"]
 
 log = logging.getLogger("taskguard.django_tasks")
 
-#: ``@task(...)`` keyword arguments a GuardedBackend's task class accepts (Django 6.1,
-#: the backport): the options of :func:`~taskguard.contrib.django_tasks.guarded`.
-TASK_OPTIONS = (
-    "key",
-    "key_args",
-    "lock",
-    "on_conflict",
-    "ttl",
-    "queue_ttl",
-    "limit",
-    "wait_timeout",
-    "retry_countdown",
-)
+#: How long a duplicate waits for the enqueue that holds the key to name its job.
+JOB_ID_WAIT = 5.0
 
 
 class GuardedBackend(BaseTaskBackend):  # type: ignore[misc,unused-ignore]
     """``TASKS = {"default": {"BACKEND": "taskguard.contrib.django_tasks.GuardedBackend",
-    "OPTIONS": {"BACKEND": "django_tasks_db.DatabaseBackend", ...}}}``.
-
-    A task guarded with ``lock="queue"`` or ``"queue_and_run"`` takes its key when
-    it is enqueued (for ``queue_ttl``, default its ``ttl``): while that job waits
-    (and, with ``"queue_and_run"``, runs) another enqueue of the same key raises
-    :class:`~taskguard.AlreadyLocked`, or with ``on_conflict="existing"`` returns
-    the queued job's :class:`TaskResult`. The job's run adopts the lease; a lost
-    job's lease expires. Other tasks pass through untouched.
-    """
+    "OPTIONS": {<the real backend's settings>}}}``: a ``lock="queue"``/``"queue_and_run"``
+    task takes its key at enqueue (for ``queue_ttl``); a duplicate enqueue raises
+    :class:`~taskguard.AlreadyLocked`, or with ``on_conflict="existing"`` returns the
+    queued job's result; the job's run adopts the lease. Other tasks pass through."""
 
     #: What a guarded run checks before it relies on a lease taken at enqueue.
     takes_queue_leases = True
@@ -57,8 +47,7 @@ class GuardedBackend(BaseTaskBackend):  # type: ignore[misc,unused-ignore]
     def __new__(cls, alias: str, params: dict[str, Any]) -> Any:
         if cls is not GuardedBackend:
             return super().__new__(cls)
-        inner = params.get("OPTIONS") or {}
-        path = inner.get("BACKEND")
+        path = (params.get("OPTIONS") or {}).get("BACKEND")
         if not isinstance(path, str):
             raise ConfigurationError(
                 f"TASKS[{alias!r}]: GuardedBackend needs the real backend's settings as its "
@@ -80,16 +69,25 @@ class GuardedBackend(BaseTaskBackend):  # type: ignore[misc,unused-ignore]
         spec = _queue_locked(task)
         if spec is None:
             return super().enqueue(task, args, kwargs)  # type: ignore[safe-super,unused-ignore]
-        key = spec.keys.derive(args, kwargs)
-        guard, ttl = project_guard(), spec.queue_ttl or spec.lease_ttl()
-        # Holder without a job id until the job exists: its run adopts such a lease too.
-        lease, holder = guard.try_acquire(key, ttl, limit=spec.limit, task_name=spec.name)
+        key, guard, ttl = (
+            spec.opts.deriver.derive(args, kwargs),
+            project_guard(),
+            spec.durations().queue_ttl,
+        )
+        try:  # the holder names no job until the job exists: its run adopts such a lease too
+            lease, holder = guard.try_acquire(
+                key, ttl, task_name=spec.name, **spec.opts.acquire_options
+            )
+        except OutcomeUnknown as exc:  # it may land later: given back once the database answers
+            now = datetime.now(timezone.utc)
+            maybe = Lease(key, exc.owner, 0, now, now + timedelta(seconds=ttl), ttl)
+            release_when_reachable(guard, [maybe], f"{spec.name}: enqueue failed", landing=True)
+            raise
         if lease is None:
-            job = holder.holder.task_id if holder is not None else None
-            if spec.on_conflict == "existing" and job is not None:
-                log.info(
-                    "task %s: lock %r held by queued job %s; answering with it", spec.name, key, job
-                )
+            job = _job_of(guard, key, spec, holder)
+            if job is not None:  # on_conflict="existing": the queued job answers
+                log.info("task %s: lock %r held by queued job %s; answering with it",
+                         spec.name, key, job)  # fmt: skip
                 answer = self.get_result(job)
                 if answer.task is None:  # a backend that cannot tell a queued job's task
                     object.__setattr__(answer, "task", task)
@@ -98,7 +96,7 @@ class GuardedBackend(BaseTaskBackend):  # type: ignore[misc,unused-ignore]
                 key,
                 holder,
                 f"task {spec.name}: not enqueued: a job for lock {key!r} is already queued or "
-                f"running ({holder.describe() if holder else 'holder just released'})",
+                f"running ({describe_holder(holder)})",
             )
         try:
             result: TaskResult = super().enqueue(task, args, kwargs)  # type: ignore[safe-super,unused-ignore]
@@ -106,21 +104,27 @@ class GuardedBackend(BaseTaskBackend):  # type: ignore[misc,unused-ignore]
             guard.release(lease)
             raise
         # Name the job on its lease (None: its run already adopted it).
-        guard.adopt(
-            key,
-            lease.owner,
-            ttl,
-            slot=lease.slot,
-            exclusive=True,
-            task_name=spec.name,
-            task_id=result.id,
-        )
+        guard.adopt(key, lease.owner, ttl, slot=lease.slot, exclusive=True,
+                    task_name=spec.name, task_id=result.id)  # fmt: skip
         return result
+
+
+def _job_of(guard: TaskGuard, key: str, spec: GuardSpec, holder: LockInfo | None) -> str | None:
+    """The queued job to answer a duplicate with (``on_conflict="existing"``), once
+    the enqueue holding the key has named it (it may be between its acquire and its
+    job's creation: waited for up to :data:`JOB_ID_WAIT`)."""
+    if spec.opts.conflict is not Conflict.EXISTING:
+        return None
+    deadline = time.monotonic() + JOB_ID_WAIT
+    while holder is not None and holder.holder.task_id is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+        holder = next((r for r in guard.get_all(key) if r.held), None)
+    return holder.holder.task_id if holder is not None else None
 
 
 def _queue_locked(task: Any) -> GuardSpec | None:
     spec: GuardSpec | None = getattr(task.func, "taskguard", None)
-    return spec if spec is not None and spec.lock != "run" else None
+    return spec if spec is not None and spec.opts.locks_queue else None
 
 
 @functools.cache
@@ -130,7 +134,7 @@ def _in_front_of(backend_class: type[Any]) -> type[Any]:
     base_task = backend_class.task_class
 
     def __post_init__(self: Any) -> None:
-        options = {n: getattr(self, n) for n in TASK_OPTIONS if getattr(self, n) is not None}
+        options = {n: getattr(self, n) for n in OPTION_NAMES if getattr(self, n) is not None}
         if options and not hasattr(self.func, "taskguard"):
             object.__setattr__(self, "func", guarded(self.func, **options))
         base_task.__post_init__(self)
@@ -138,9 +142,9 @@ def _in_front_of(backend_class: type[Any]) -> type[Any]:
     namespace = {
         "__post_init__": __post_init__,
         "__module__": __name__,
-        "__annotations__": dict.fromkeys(TASK_OPTIONS, "Any"),
+        "__annotations__": dict.fromkeys(OPTION_NAMES, "Any"),
     }
-    namespace.update(dict.fromkeys(TASK_OPTIONS))
+    namespace.update(dict.fromkeys(OPTION_NAMES))
     kwargs = {"frozen": True, "kw_only": True, "slots": "__slots__" in vars(base_task)}
     task_class: type[Any] = dataclasses.dataclass(**kwargs)(
         type("GuardedTask", (base_task,), namespace)

@@ -1,13 +1,6 @@
-"""``@guarded``: the run-time lock of a django.tasks task, for any backend.
-
-Placed under ``@task``, it wraps the function every worker backend calls: the key
-comes from the bound arguments (taskguard's :class:`~taskguard.keys.KeyDeriver`),
-the lease is renewed while the body runs (the Celery layer's heartbeat), released
-by its owner at the end, and a conflict is skipped, raised, waited out or deferred
-(``on_conflict``). A run whose job was enqueued through
-:class:`~taskguard.contrib.django_tasks.GuardedBackend` adopts the lease its
-enqueue took.
-"""
+"""``@guarded``: the run-time lock of a django.tasks task, for any backend: the core's
+options (taskguard.options), the job a worker starts (its signals), the held lease
+(taskguard.holding: renewed while the body runs, released at the end)."""
 
 from __future__ import annotations
 
@@ -27,37 +20,33 @@ from django.utils import timezone
 from taskguard.config import guard_for, setting
 from taskguard.contrib.django import conf
 from taskguard.contrib.django_tasks.framework import task_finished, task_started
-from taskguard.exceptions import AlreadyLocked, ConfigurationError, TaskGuardError
+from taskguard.exceptions import AlreadyLocked, ConfigurationError
 from taskguard.guard import TaskGuard
-from taskguard.holding import Hold, enter_run, exit_run
-from taskguard.keys import KeyDeriver, KeyOption, validate_limit, validate_ttl
-from taskguard.lease import MARKER, Lease, LockInfo, skipped_result
+from taskguard.holding import Hold, Interrupter, enter_run, exit_run, valid_until
+from taskguard.lease import MARKER, Lease, LockInfo, describe_holder, skipped_result
+from taskguard.options import Conflict, Durations, Framework, GuardOptions, durations
 
-__all__ = ["DEFERRED", "LOCK_PHASES", "ON_CONFLICT", "GuardSpec", "guarded", "project_guard"]
+__all__ = ["DEFERRED", "DJANGO_TASKS", "GuardSpec", "guarded", "project_guard"]
 
 log = logging.getLogger("taskguard.django_tasks")
 
-LOCK_PHASES = ("run", "queue", "queue_and_run")
-#: What a run does when its key is held ("existing" applies at enqueue only).
-ON_CONFLICT = ("skip", "raise", "retry", "wait", "existing")
+#: What django.tasks cannot honour (the core refuses it, naming the framework).
+DJANGO_TASKS = Framework(
+    "django.tasks",
+    frozenset({"rate", "coalesce_replace", "debounce", "debounce_max", Conflict.COALESCE}),
+)
 #: ``value[MARKER]`` of a run put back in the queue by ``on_conflict="retry"``.
 DEFERRED = "deferred"
 
 # The TaskResult the worker is about to run in this context (task_started is sent
 # by every worker backend just before it calls the function).
 _started: contextvars.ContextVar[Any] = contextvars.ContextVar("taskguard_task_result")
-
-
-def _on_started(sender: Any, task_result: Any, **_: Any) -> None:
-    _started.set(task_result)
-
-
-def _on_finished(sender: Any, task_result: Any, **_: Any) -> None:
-    _started.set(None)
-
-
-task_started.connect(_on_started, dispatch_uid="taskguard.django_tasks.started")
-task_finished.connect(_on_finished, dispatch_uid="taskguard.django_tasks.finished")
+for _signal, _value in ((task_started, True), (task_finished, False)):
+    _signal.connect(
+        lambda task_result, value=_value, **_: _started.set(task_result if value else None),
+        dispatch_uid=f"taskguard.django_tasks.{_value}",
+        weak=False,
+    )
 
 
 def _settings() -> SimpleNamespace:
@@ -75,215 +64,154 @@ def project_guard() -> TaskGuard:
 
 @dataclass(frozen=True)
 class GuardSpec:
-    """A guarded task's options, checked when the task is defined."""
+    """A guarded task: its name, the core's options, whether it takes a context."""
 
     name: str
-    keys: KeyDeriver
+    opts: GuardOptions
     takes_context: bool
-    lock: str = "run"
-    on_conflict: str = "skip"
-    ttl: float | None = None
-    queue_ttl: float | None = None
-    limit: int = 1
-    wait_timeout: float | None = None
-    retry_countdown: float | None = None
 
     def key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-        return self.keys.derive(args[1:] if self.takes_context else args, kwargs)
+        return self.opts.deriver.derive(args[1:] if self.takes_context else args, kwargs)
 
-    def lease_ttl(self) -> float:
-        return self.ttl or float(setting(_settings(), "taskguard_default_ttl"))
+    def durations(self) -> Durations:
+        found = _settings()
+        return durations(self.opts, lambda name: setting(found, name))
 
 
 def _spec(func: Callable[..., Any], options: dict[str, Any]) -> GuardSpec:
+    if not inspect.isfunction(func):
+        raise ConfigurationError(
+            f"@guarded got {func!r}, not a function: place @guarded under @task "
+            "(@task() on the line above @guarded(...))"
+        )
     name = f"{func.__module__}.{func.__qualname__}"
     signature = inspect.signature(func)
     params = list(signature.parameters.values())
     takes_context = bool(params) and params[0].name == "context"  # django.tasks' rule
     if takes_context:
         signature = signature.replace(parameters=params[1:])
-    key: KeyOption = options.pop("key", None)
-    keys = KeyDeriver(name, signature, key, options.pop("key_args", None))
-    lock, on_conflict = options.get("lock", "run"), options.get("on_conflict", "skip")
-    if lock not in LOCK_PHASES:
-        raise ConfigurationError(f"task {name}: lock={lock!r} is not one of {LOCK_PHASES}")
-    if on_conflict not in ON_CONFLICT:
-        raise ConfigurationError(
-            f"task {name}: on_conflict={on_conflict!r} is not one of {ON_CONFLICT}"
-        )
-    if on_conflict == "existing" and lock == "run":
-        raise ConfigurationError(
-            f"task {name}: on_conflict='existing' answers a duplicate enqueue with the "
-            "queued job's result: use lock='queue' or 'queue_and_run' (and GuardedBackend)"
-        )
-    try:
-        for seconds in ("ttl", "queue_ttl", "wait_timeout", "retry_countdown"):
-            if options.get(seconds) is not None:
-                options[seconds] = validate_ttl(options[seconds], name=seconds)
-        validate_limit(options.get("limit", 1), 0)
-    except TaskGuardError as exc:
-        raise ConfigurationError(f"task {name}: {exc}") from None
-    known = {f for f in GuardSpec.__dataclass_fields__ if f not in ("name", "keys")}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise ConfigurationError(
-            f"task {name}: unknown option(s) {', '.join(unknown)}; "
-            f"options: key, key_args, {', '.join(sorted(known - {'takes_context'}))}"
-        )
-    return GuardSpec(name, keys, takes_context, **options)
+    return GuardSpec(
+        name, GuardOptions.build(name, signature, DJANGO_TASKS, **options), takes_context
+    )
 
 
-class _Run:
+def _skip(run: _Run, holder: LockInfo | None, who: str) -> Any:
+    log.warning("task %s (%s) skipped: lock %r is held by %s", run.name, run.task_id, run.key, who)
+    return skipped_result(
+        task=run.name, task_id=run.task_id, key=run.key, phase="run", holder=holder
+    )
+
+
+def _raise(run: _Run, holder: LockInfo | None, who: str) -> Any:
+    log.warning("task %s (%s) refused: lock %r is held by %s", run.name, run.task_id, run.key, who)
+    raise AlreadyLocked(run.key, holder)
+
+
+def _retry(run: _Run, holder: LockInfo | None, who: str) -> Any:
+    result = run.result
+    if result is None or not result.task.get_backend().supports_defer:
+        log.warning("task %s: backend cannot defer a job (on_conflict='retry'): skipping", run.name)
+        return _skip(run, holder, who)
+    left = holder.expires_in.total_seconds() if holder is not None else 1.0
+    countdown = run.spec.opts.retry_countdown or max(left, 0.1)
+    at = timezone.now() + timedelta(seconds=countdown)
+    again = result.task.using(run_after=at).enqueue(*result.args, **result.kwargs)
+    log.warning(
+        "task %s (%s): lock %r is held by %s; deferred %.1fs as %s",
+        *(run.name, run.task_id, run.key, who, countdown, again.id),
+    )
+    return {MARKER: DEFERRED, "task": run.name, "task_id": run.task_id, "key": run.key,
+            "retry_id": again.id}  # fmt: skip
+
+
+#: What a conflict in the run does, by the core's conflict mode (else: skipped).
+_ACTIONS = {Conflict.RAISE: _raise, Conflict.RETRY: _retry}
+
+
+class _Run(Hold):
     """One guarded execution: takes (or adopts) the lease, renews it while the body
     runs, releases it after. ``outcome`` is set instead when the body must not run."""
 
     def __init__(self, spec: GuardSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self.spec = spec
+        self.spec, self.name = spec, spec.name
         context_result = args[0].task_result if spec.takes_context and args else None
         result = context_result or _started.get(None)
         # (a guarded function called directly inside another task's body is not that job)
         self.result = (
-            result if result is not None and result.task.module_path == spec.name else None
+            result if result is not None and result.task.module_path == self.name else None
         )
-        self.task_id: str | None = self.result.id if self.result is not None else None
-        self.key = spec.key(args, kwargs)
-        self.guard = project_guard()
-        self.outcome: Any = None
-        self.active: Hold | None = None
+        super().__init__(project_guard(), spec.key(args, kwargs), None, None)
+        self.task_id = self.result.id if self.result is not None else None
+        self.sender, self.outcome = self.name, None
 
-    def begin(self) -> Hold | None:
-        """Take the lease: the run to enter, or ``None`` when the body must not run
-        (then ``outcome`` is what the task returns)."""
-        spec, guard, ttl = self.spec, self.guard, self.spec.lease_ttl()
-        if spec.lock != "run" and self.result is not None:
+    def begin(self) -> bool:
+        """Take the lease; ``False`` when the body must not run (``outcome`` is then
+        what the task returns)."""
+        opts, guard, times = self.spec.opts, self.guard, self.spec.durations()
+        if opts.locks_queue and self.result is not None:
             backend = self.result.task.get_backend()
             if not getattr(backend, "takes_queue_leases", False):
                 raise ConfigurationError(
-                    f"task {spec.name}: lock={spec.lock!r} needs the enqueue to take the lock: "
+                    f"task {self.name}: lock='{opts.lock}' needs the enqueue to take the lock: "
                     f"set TASKS[{backend.alias!r}]['BACKEND'] to "
                     "'taskguard.contrib.django_tasks.GuardedBackend' (the current backend "
                     "in its OPTIONS), or use lock='run'"
                 )
-        lease = self._adopt(ttl) if spec.lock != "run" else None
-        if spec.lock == "queue":
+        lease = self._adopt(times.ttl) if opts.locks_queue else None
+        if not opts.locks_run:  # the queue lease ends as the run starts
             if lease is not None:
                 guard.release(lease)
-            # The queue lease ends when the run starts; the run holds none.
-            self.active = Hold(guard, self.key, None, None)
-            return self.active
+            return True
         if lease is None:
-            wait = None
-            if spec.on_conflict == "wait":
-                default = float(setting(_settings(), "taskguard_wait_timeout"))
-                wait = spec.wait_timeout or default
             lease, holder = guard.try_acquire(
-                self.key,
-                ttl,
-                limit=spec.limit,
-                wait=wait,
-                task_name=spec.name,
-                task_id=self.task_id,
-            )
+                self.key, times.ttl, wait=times.wait_timeout, task_name=self.name,
+                task_id=self.task_id, **opts.acquire_options,
+            )  # fmt: skip
             if lease is None:
-                self.outcome = self._conflict(holder)
-                return None
-        self.active = Hold(guard, self.key, lease, None)
-        self.active.task_id = self.task_id
-        self.active.start_renewing()
-        return self.active
+                who = describe_holder(holder)
+                self.outcome = _ACTIONS.get(opts.conflict, _skip)(self, holder, who)
+                return False
+        self.lease = lease
+        self.valid_until = valid_until(lease)
+        self.start_renewing()
+        return True
 
     def _adopt(self, ttl: float) -> Lease | None:
         # The lease GuardedBackend took for this job at enqueue (its holder names the job).
-        rows = self.guard.get_all(self.key)
         mine = [
             r
-            for r in rows
+            for r in self.guard.get_all(self.key)
             if r.held
-            and r.holder.task_name == self.spec.name
+            and r.holder.task_name == self.name
             and r.holder.task_id in (None, self.task_id)
         ]
         if self.task_id is None or not mine:
             return None
-        row = mine[0]
         return self.guard.adopt(
-            self.key,
-            row.owner,
-            ttl,
-            slot=row.slot,
-            exclusive=True,
-            task_name=self.spec.name,
-            task_id=self.task_id,
-        )
+            self.key, mine[0].owner, ttl, slot=mine[0].slot, exclusive=True,
+            task_name=self.name, task_id=self.task_id,
+        )  # fmt: skip
 
-    def _conflict(self, holder: LockInfo | None) -> Any:
-        spec = self.spec
-        who = holder.describe() if holder is not None else "a holder that just released"
-        if spec.on_conflict == "raise":
-            raise AlreadyLocked(self.key, holder)
-        if spec.on_conflict == "retry" and self.result is not None:
-            task = self.result.task
-            if task.get_backend().supports_defer:
-                left = holder.expires_in.total_seconds() if holder is not None else 1.0
-                countdown = spec.retry_countdown or max(left, 0.1)
-                at = timezone.now() + timedelta(seconds=countdown)
-                again = task.using(run_after=at).enqueue(*self.result.args, **self.result.kwargs)
-                log.info(
-                    "task %s (%s): lock %r held by %s; deferred %.1fs as %s",
-                    spec.name,
-                    self.task_id,
-                    self.key,
-                    who,
-                    countdown,
-                    again.id,
-                )
-                return {
-                    MARKER: DEFERRED,
-                    "task": spec.name,
-                    "task_id": self.task_id,
-                    "key": self.key,
-                    "retry_id": again.id,
-                }
-            log.warning(
-                "task %s: on_conflict='retry' but backend %r cannot defer a job; skipped",
-                spec.name,
-                task.backend,
-            )
-        log.warning(
-            "task %s (%s) skipped: lock %r is held by %s", spec.name, self.task_id, self.key, who
-        )
-        return skipped_result(
-            task=spec.name, task_id=self.task_id, key=self.key, phase="run", holder=holder
-        )
+    def arm(self) -> None:
+        if self.lease is not None and self.spec.opts.stop_on_lease_loss:
+            self.interrupter = Interrupter(self.name).arm()
 
     def end(self) -> None:
-        if self.active is None or self.active.lease is None:
+        if self.interrupter is not None:
+            self.interrupter.disarm()
+        if self.lease is None:
             return
-        assert self.active is not None
-        self.active.stop_renewing()
-        if not self.guard.release(self.active.lease):
-            log.warning(
-                "task %s: lease on %r had expired or been taken over at release",
-                self.spec.name,
-                self.key,
-            )
+        self.stop_renewing()
+        if not self.guard.release(self.lease):
+            log.warning("task %s: lease on %r had expired or been taken over at release",
+                        self.name, self.key)  # fmt: skip
 
 
 def guarded(func: Callable[..., Any] | None = None, **options: Any) -> Any:
-    """Lock a django.tasks task per key while it runs; place it under ``@task``::
-
-        @task()
-        @guarded(key="feed:{url}", ttl=60)
-        def import_feed(url): ...
-
-    Options (as ``@guarded_task``'s): ``key`` / ``key_args``, ``ttl`` (default
-    ``TASKGUARD_DEFAULT_TTL``), ``limit``, ``on_conflict`` (``"skip"``: return
-    taskguard's skipped marker; ``"raise"``: fail with :class:`~taskguard.AlreadyLocked`;
-    ``"wait"``: up to ``wait_timeout``; ``"retry"``: enqueue again after
-    ``retry_countdown`` where the backend can defer), and for
-    :class:`GuardedBackend`: ``lock`` (``"run"``, ``"queue"``, ``"queue_and_run"``),
-    ``queue_ttl``. The body reads its lease (fencing token) with
-    :func:`~taskguard.contrib.django_tasks.current_lease`. docs/django-tasks.md.
-    """
+    """Lock a django.tasks task per key while it runs; place it under ``@task``
+    (``@task()`` then ``@guarded(key="feed:{url}", ttl=60)``). The options are
+    ``@guarded_task``'s but what django.tasks cannot honour (taskguard.options);
+    the queue phases need :class:`GuardedBackend`. docs/django-tasks.md."""
 
     def decorate(f: Callable[..., Any]) -> Any:
         spec = _spec(f, dict(options))
@@ -292,10 +220,9 @@ def guarded(func: Callable[..., Any] | None = None, **options: Any) -> Any:
             @functools.wraps(f)
             async def run_async(*args: Any, **kwargs: Any) -> Any:
                 run = _Run(spec, args, kwargs)
-                active = await asyncio.to_thread(run.begin)
-                if active is None:
+                if not await asyncio.to_thread(run.begin):
                     return run.outcome
-                token = enter_run(active)  # in the body's own context
+                token = enter_run(run)  # in the body's own context (no interrupter)
                 try:
                     return await f(*args, **kwargs)
                 finally:
@@ -308,15 +235,15 @@ def guarded(func: Callable[..., Any] | None = None, **options: Any) -> Any:
         @functools.wraps(f)
         def run_sync(*args: Any, **kwargs: Any) -> Any:
             run = _Run(spec, args, kwargs)
-            active = run.begin()
-            if active is None:
+            if not run.begin():
                 return run.outcome
-            token = enter_run(active)
+            token = enter_run(run)
             try:
+                run.arm()
                 return f(*args, **kwargs)
             finally:
+                run.end()  # disarms first: nothing interrupts the release
                 exit_run(token)
-                run.end()
 
         run_sync.taskguard = spec  # type: ignore[attr-defined]
         return run_sync

@@ -12,8 +12,9 @@ from django.core.management import call_command  # noqa: E402
 from django.utils.timezone import now  # noqa: E402
 from tinytasks import tasks  # noqa: E402
 
-from taskguard.contrib.django_tasks import is_skipped, project_guard  # noqa: E402
+from taskguard.contrib.django_tasks import guarded, is_skipped, project_guard  # noqa: E402
 from taskguard.contrib.django_tasks.framework import task_backends  # noqa: E402
+from taskguard.exceptions import ConfigurationError  # noqa: E402
 
 call_command("migrate", verbosity=0)
 guard = project_guard()
@@ -69,5 +70,18 @@ out["task_kwargs_released"] = not guard.get("kw:5").held
 r = tasks.queued_without_guarded_backend.enqueue(6)
 out["needs_guarded_backend"] = (
     r.status == "FAILED" and r.errors[0].exception_class.__name__ == "ConfigurationError"
+)
+
+# @guarded above @task (it gets a Task, not a function): one line naming the order.
+try:
+    guarded(key="x")(tasks.skipping)
+    out["above_task_refused"] = False
+except ConfigurationError as exc:
+    out["above_task_refused"] = "place @guarded under @task" in str(exc) and "\n" not in str(exc)
+
+# stop_on_lease_loss=True: a lease lost mid-body raises LeaseLost there: the job FAILED.
+r = tasks.losing.enqueue(7)
+out["lost_lease_fails_job"] = (
+    r.status == "FAILED" and r.errors[0].exception_class.__name__ == "LeaseLost"
 )
 print(json.dumps(out))

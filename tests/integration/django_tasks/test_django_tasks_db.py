@@ -77,3 +77,18 @@ def test_sigkilled_worker_leaves_nothing_stuck(site_env: dict[str, str]) -> None
     assert 0.5 < seen["accepted_after_s"] < 30  # the lease (ttl 2 s) ran out, not sooner
     assert seen["second_status"] == "SUCCESSFUL" and seen["runs"] == 2
     assert seen["second_return"] == 1  # the killed run never stored its import
+
+
+def test_simultaneous_duplicates_are_answered_with_the_queued_job(
+    site_env: dict[str, str],
+) -> None:
+    """Issue 41, defect 2: 50 enqueues at once (3 processes x 5 threads) of a
+    lock="queue_and_run", on_conflict="existing" task: one job, every duplicate
+    answered with it (none raises AlreadyLocked from the gap before the job existed)."""
+    _run(site_env, "manage.py", "migrate", "-v", "0")
+    out = _run(site_env, str(Path(__file__).with_name("scenario_duplicates.py")), timeout=180)
+    answers = json.loads(out.strip().splitlines()[-1])
+    assert len(answers) == 50
+    errors = [a for a in answers if not a.startswith("job ")]
+    assert errors == [], f"{len(errors)} raised, e.g. {errors[:2]}"
+    assert len(set(answers)) == 1, sorted(set(answers))

@@ -31,6 +31,8 @@ TASKS = {
     },
 }
 TASKGUARD_HISTORY = True
+if os.environ.get("TINYSITE_LOCKS_URL"):  # the locks elsewhere (e.g. behind a test proxy)
+    TASKGUARD_DATABASE_URL = os.environ["TINYSITE_LOCKS_URL"]
 LOGGING = {
     "version": 1,
     "handlers": {"out": {"class": "logging.StreamHandler", "stream": "ext://sys.stdout"}},

@@ -2,6 +2,7 @@
 
 import asyncio
 import threading
+import time
 
 from taskguard.contrib.django_tasks import current_lease, guarded
 
@@ -62,3 +63,21 @@ def retrying(item: int) -> int:
 @guarded(key="item:{item}", lock="queue_and_run")
 def queued_without_guarded_backend(item: int) -> int:
     return _note("queued_without_guarded_backend")
+
+
+@task()
+@guarded(key="frozen:{item}", ttl=300, lock="queue_and_run")
+def queued_long(item: int) -> int:
+    return _note("queued_long")
+
+
+@task()
+@guarded(key="lose:{item}", ttl=1, stop_on_lease_loss=True)
+def losing(item: int) -> int:
+    from taskguard.contrib.django_tasks import project_guard
+
+    lease = current_lease()
+    assert lease is not None
+    project_guard().force_release(lease.key)  # taken away: the next renewal finds it gone
+    time.sleep(5)  # interrupted by LeaseLost well before this ends
+    return 0

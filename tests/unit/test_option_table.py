@@ -1,0 +1,118 @@
+"""Issue 42: ``@guarded_task`` (Celery) and django.tasks' ``@guarded`` accept or refuse
+every combination of the options identically, with the same one-line message naming
+the task and the option (both build the core's options, taskguard/options.py).
+
+The one allowed difference: an option django.tasks cannot honour (:data:`LACKING`)
+is refused there with the core's "<option> is not supported by django.tasks",
+whatever Celery says of the combination. Before the core (up to 9c52ebb) this
+failed, among others, on the four combinations django.tasks accepted and Celery
+refused: lock="queue_and_run" with on_conflict="wait", queue_ttl with lock="run",
+retry_countdown without on_conflict="retry", wait_timeout without on_conflict="wait".
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from taskguard import guarded_task
+from taskguard.exceptions import ConfigurationError
+
+guarded = pytest.importorskip("taskguard.contrib.django_tasks").guarded
+
+pytestmark = pytest.mark.django_tasks
+
+LOCKS = ("run", "queue", "queue_and_run")
+ON_CONFLICT = (None, "skip", "raise", "retry", "existing", "wait", "coalesce")
+#: limit, throttle window, pending modes (coalesce is an on_conflict value above).
+EXTRAS: tuple[dict[str, Any], ...] = (
+    {},
+    {"limit": 2},
+    {"min_hold": 1},
+    {"debounce": 1},
+    {"debounce": 2, "debounce_max": 1},
+    {"debounce_max": 3},
+    {"coalesce_replace": True},
+    {"stop_on_lease_loss": True},
+)
+RATES = (None, "3/2s")
+SECONDS = ("queue_ttl", "retry_countdown", "wait_timeout")
+#: What django.tasks cannot do, refused there by the core naming the framework.
+#: (In the order the core names them: options in declaration order, then the mode.)
+LACKING = ("rate", "coalesce_replace", "debounce", "debounce_max")
+
+
+def fetch(feed_url: str) -> None:
+    pass
+
+
+TASK = f"{fetch.__module__}.{fetch.__qualname__}"
+
+
+def _combinations() -> list[dict[str, Any]]:
+    out = []
+    for lock, conflict, extra, rate, *given in itertools.product(
+        LOCKS, ON_CONFLICT, EXTRAS, RATES, *([False, True],) * len(SECONDS)
+    ):
+        options: dict[str, Any] = {"key": "feed:{feed_url}", "lock": lock, **extra}
+        if conflict is not None:
+            options["on_conflict"] = conflict
+        if rate is not None:
+            options["rate"] = rate
+        options.update({name: 2 for name, on in zip(SECONDS, given, strict=True) if on})
+        out.append(options)
+    return out
+
+
+def _verdict(declare: Any, options: dict[str, Any]) -> str:
+    try:
+        declare(**options)
+    except ConfigurationError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def _lacking(options: dict[str, Any]) -> str | None:
+    named = next((f"{name}=" for name in LACKING if name in options), None)
+    return named or ("on_conflict='coalesce'" if options.get("on_conflict") == "coalesce" else None)
+
+
+def test_celery_and_django_tasks_decide_every_combination_alike() -> None:
+    app = Celery("tg_table", set_as_current=False)
+    combos = _combinations()
+    assert len(combos) == 3 * 7 * 8 * 2 * 8
+    differ, refused = [], 0
+    for options in combos:
+        celery = _verdict(
+            lambda **o: guarded_task(app=app, shared=False, name=TASK, **o)(fetch), options
+        )
+        django = _verdict(lambda **o: guarded(fetch, **o), options)
+        lacking = _lacking(options)
+        expected = f"task {TASK}: {lacking} is not supported by django.tasks" if lacking else celery
+        refused += celery != "accepted"
+        if django != expected:
+            differ.append((options, celery, django))
+        if celery != "accepted":  # one line, naming the task and an option given
+            assert celery.startswith(f"task {TASK}: ") and "\n" not in celery
+            named = celery.split(": ", 1)[1]
+            assert any(named.startswith(name) for name in options if name != "key"), celery
+    assert differ == [], f"{len(differ)} differ, e.g. {differ[:3]}"
+    assert 0 < refused < len(combos)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"lock": "queue_and_run", "on_conflict": "wait"}, "on_conflict='wait' blocks a worker"),
+        ({"queue_ttl": 5}, "queue_ttl applies to lock='queue'/'queue_and_run' only"),
+        ({"retry_countdown": 5}, "retry_countdown applies to on_conflict='retry' only"),
+        ({"wait_timeout": 5}, "wait_timeout applies to on_conflict='wait' only"),
+    ],
+)
+def test_the_four_combinations_django_tasks_accepted(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigurationError) as refused:
+        guarded(fetch, **options)
+    assert str(refused.value).startswith(f"task {TASK}: {message}")
