@@ -207,6 +207,19 @@ class _Run(Hold):
                         self.name, self.key)  # fmt: skip
 
 
+async def _on_thread(call: Callable[[], Any]) -> tuple[Any, bool]:
+    """``call()`` on a thread, and whether the coroutine was cancelled meanwhile: the
+    statement on the thread outlives a cancellation, so it is waited for."""
+    done = asyncio.ensure_future(asyncio.to_thread(call))
+    cancelled = False
+    while not done.done():
+        try:
+            await asyncio.wait([done])
+        except asyncio.CancelledError:
+            cancelled = True
+    return done.result(), cancelled
+
+
 def guarded(func: Callable[..., Any] | None = None, **options: Any) -> Any:
     """Lock a django.tasks task per key while it runs; place it under ``@task``
     (``@task()`` then ``@guarded(key="feed:{url}", ttl=60)``). The options are
@@ -220,14 +233,20 @@ def guarded(func: Callable[..., Any] | None = None, **options: Any) -> Any:
             @functools.wraps(f)
             async def run_async(*args: Any, **kwargs: Any) -> Any:
                 run = _Run(spec, args, kwargs)
-                if not await asyncio.to_thread(run.begin):
+                began, cancelled = await _on_thread(run.begin)
+                if cancelled:  # the lease it got is given back before the cancellation goes on
+                    if began:
+                        await _on_thread(run.end)
+                    raise asyncio.CancelledError
+                if not began:
                     return run.outcome
                 token = enter_run(run)  # in the body's own context (no interrupter)
                 try:
                     return await f(*args, **kwargs)
                 finally:
                     exit_run(token)
-                    await asyncio.to_thread(run.end)
+                    if (await _on_thread(run.end))[1]:
+                        raise asyncio.CancelledError
 
             run_async.taskguard = spec  # type: ignore[attr-defined]
             return run_async

@@ -3,6 +3,9 @@
 
 import asyncio
 import json
+import os
+import sqlite3
+import threading
 
 import django
 
@@ -58,6 +61,29 @@ async def enqueue_async() -> bool:
 
 
 out["async_aenqueue"] = asyncio.run(enqueue_async())
+
+
+# An async run cancelled while its acquire is in flight (another connection holds the
+# database's write lock for 1 s) leaves no lease behind, then or later.
+async def cancelled_in_flight() -> bool:
+    blocker = sqlite3.connect(os.environ["TINYSITE_DB"], isolation_level=None,
+                              check_same_thread=False)  # fmt: skip
+    blocker.execute("BEGIN IMMEDIATE")
+    threading.Timer(1.0, blocker.commit).start()
+    run = asyncio.ensure_future(tasks.slow_async.func(8))
+    await asyncio.sleep(0.3)
+    run.cancel()
+    try:
+        await run
+        return False
+    except asyncio.CancelledError:
+        pass
+    await asyncio.sleep(1.2)  # past the write lock's end: a late grant would be here
+    row = guard.get("slow:8")
+    return row is None or not row.held
+
+
+out["async_cancelled_leaves_no_lease"] = asyncio.run(cancelled_in_flight())
 
 # @task(key=..., lock=...) keyword arguments (GuardedBackend's task_class). Immediate
 # runs inside enqueue, so the queue lease is adopted and released before it returns.
