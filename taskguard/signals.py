@@ -29,7 +29,8 @@ __all__ = [
 #: A lease was granted. kwargs: ``key``, ``lease``.
 lock_acquired = Signal(name="taskguard.lock_acquired")
 #: The key was held by someone else. kwargs: ``key``, ``holder`` (LockInfo or None), ``action``
-#: (what the caller does about it, e.g. "skip", "raise", "retry", "existing").
+#: (what the caller does about it, e.g. "skip", "raise", "retry", "existing"); from a run
+#: of ``on_conflict="wait"`` also ``waited`` (seconds it waited before it was refused).
 lock_conflict = Signal(name="taskguard.lock_conflict")
 #: A lease was given back. kwargs: ``key``, ``lease``, ``held_for`` (seconds), ``released`` (bool:
 #: False if it had already expired or been taken over).

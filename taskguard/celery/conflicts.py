@@ -61,7 +61,7 @@ class Strategy:
         began waiting (``on_conflict="wait"``); the conflict is sent, then the
         strategy acts (:meth:`at_run`)."""
         signals.lock_conflict.send(
-            sender=run.task, key=run.key, holder=holder, action=self.run_action
+            sender=run.task, key=run.key, holder=holder, action=self.run_action, waited=waited
         )
         return self.at_run(run, holder, waited)
 
