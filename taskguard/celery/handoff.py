@@ -9,7 +9,9 @@ carried in the message header; a conflict is acted on by the task's
 (:func:`take_over`).
 
 
-The message header holds the lease (``Lease.to_dict()``). The worker adopts it
+The message header holds the lease in a compact form (one string: its owner id, slot,
+throttle window, token and times; :func:`taskguard.celery.message.carry`); a dict
+header from a version before it is still read. The worker adopts it
 with ``TaskGuard.adopt(..., exclusive=True)``: the same row and fencing token,
 renewed to the run's ttl, so there is no moment in which the key is free, and in
 the same statement passed to an owner id of this run's own, with this pool
@@ -33,7 +35,7 @@ from taskguard.celery.leasing import (
     release_quietly,
     send_released,
 )
-from taskguard.celery.message import Header, Submission, stored_task_id
+from taskguard.celery.message import Handed, Header, Submission, carry, stored_task_id
 from taskguard.guard import TaskGuard
 from taskguard.lease import Lease, LockInfo
 
@@ -50,7 +52,7 @@ def start_queue_phase(
     Returns (first, blocked, holder); ``first``: this call ended the carried lease,
     so no other delivery of the message started before it."""
     if header.lease is not None:
-        lease = Lease.from_dict(header.lease)
+        lease = Handed.of(header.lease).lease(key)
         released = release_quietly(guard, lease)
         send_released(task, lease, released, held_seconds(lease))
         return released, False, None
@@ -74,7 +76,7 @@ def start_queue_phase(
 
 
 def take_over(
-    task: Any, guard: TaskGuard, request: Any, key: str, handed: dict[str, Any], ttl: float
+    task: Any, guard: TaskGuard, request: Any, key: str, carried: str | dict[str, Any], ttl: float
 ) -> tuple[Lease | None, bool, LockInfo | None]:
     """Adopt the lease carried in the message: (lease, False, None); or (None, True,
     holder) when another delivery of this task id has it; or (None, False, None) when
@@ -82,16 +84,14 @@ def take_over(
     stored_id = stored_task_id(request.id)
     # "alternate": a copy published for an outage whose hand-off's outcome was unknown
     # (taskguard.celery.deferral.retry_later) may hold the key under either owner id.
-    owners = [str(handed.get("owner"))]
-    if handed.get("alternate"):
-        owners.append(str(handed["alternate"]))
-    for owner in owners:
+    given = Handed.of(carried)
+    for owner in (given.owner, given.alternate) if given.alternate else (given.owner,):
         lease = guard.adopt(
             key,
             owner,
             ttl,
-            slot=int(handed.get("slot", 0)),
-            min_hold=float(handed.get("min_hold", 0)) or None,
+            slot=given.slot,
+            min_hold=given.min_hold or None,
             exclusive=True,
             task_name=task.name,
             task_id=stored_id,
@@ -119,4 +119,4 @@ def publish(sub: Submission) -> Any:
     if lease is None:
         return opts.strategy.held_at_enqueue(sub, holder)
     signals.lock_acquired.send(sender=task, key=sub.key, lease=lease)
-    return publish_carrying(sub, Header(sub.key, lease=lease.to_dict()), lease, announce=True)
+    return publish_carrying(sub, Header(sub.key, lease=carry(lease)), lease, announce=True)
