@@ -25,6 +25,7 @@ fresh acquisition.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from taskguard import signals
@@ -37,7 +38,7 @@ from taskguard.celery.leasing import (
 )
 from taskguard.celery.message import Handed, Header, Submission, carry, stored_task_id
 from taskguard.guard import TaskGuard
-from taskguard.lease import Lease, LockInfo
+from taskguard.lease import Holder, Lease, LockInfo
 
 __all__ = ["publish", "start_queue_phase", "take_over"]
 
@@ -110,13 +111,15 @@ def take_over(
 def publish(sub: Submission) -> Any:
     """A queue phase's publish: take the lease (for ``queue_ttl`` plus the countdown),
     publish it in the header; or act on the conflict per ``on_conflict``."""
-    task = sub.task
-    opts = task.taskguard_options
-    details = {"task_name": task.name, "task_id": stored_task_id(sub.task_id)}
-    lease, holder = acquire_or_holder(
-        sub.guard, sub.key, sub.ttl, **details, **opts.acquire_options
-    )
+    task, guard, extra = sub.task, sub.guard, sub.opts.acquire_options
+    tid = stored_task_id(sub.task_id)
+    if extra:  # a limit or a throttle window, validated with the holder
+        details = {"task_name": task.name, "task_id": tid, **extra}
+        lease, holder = acquire_or_holder(guard, sub.key, sub.ttl, **details)
+    else:  # one lean acquire: the key, ttl and holder are in stored form already
+        who = Holder(task.name, tid, guard.hostname, os.getpid())
+        lease, holder = acquire_or_holder(guard, sub.key, sub.ttl, who)
     if lease is None:
-        return opts.strategy.held_at_enqueue(sub, holder)
+        return sub.opts.strategy.held_at_enqueue(sub, holder)
     signals.lock_acquired.send(sender=task, key=sub.key, lease=lease)
     return publish_carrying(sub, Header(sub.key, lease=carry(lease)), lease, announce=True)

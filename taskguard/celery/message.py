@@ -348,6 +348,8 @@ class Submission(NamedTuple):
     guard: TaskGuard
     #: The lease's length: the task's ``queue_ttl`` plus the publish's countdown.
     ttl: float
+    #: The task's options (``task.taskguard_options``).
+    opts: Any
 
     def publish(self, header: Header) -> Any:
         """Publish the message, carrying ``header``."""

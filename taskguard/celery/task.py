@@ -136,7 +136,17 @@ class GuardedTask(Task):  # type: ignore[misc]
         ttl = clamp_ttl(self._queue_ttl() + publish_delay(options))
         guard = guard_for(self._get_app())
         sub = Submission(
-            self, self._send, key, task_id or uuid(), args, kwargs, headers, options, guard, ttl
+            self,
+            self._send,
+            key,
+            task_id or uuid(),
+            args,
+            kwargs,
+            headers,
+            options,
+            guard,
+            ttl,
+            opts,
         )
         if opts.debounce is not None:  # publish late, replacing the pending run
             return pending.publish_debounced(sub)
