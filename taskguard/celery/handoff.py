@@ -11,9 +11,10 @@ carried in the message header; a conflict is acted on by the task's
 
 The message header holds the lease in a compact form (one string: its owner id, slot,
 throttle window, token and times; :func:`taskguard.celery.message.carry`); a dict
-header from a version before it is still read. The worker adopts it
-with ``TaskGuard.adopt(..., exclusive=True)``: the same row and fencing token,
-renewed to the run's ttl, so there is no moment in which the key is free, and in
+header from a version before it is still read. The worker adopts it with
+``TaskGuard.take_over`` (``adopt(..., exclusive=True)`` validating nothing again): the
+same row and fencing token, renewed to the run's ttl, so there is no moment in which
+the key is free, and in
 the same statement passed to an owner id of this run's own, with this pool
 process as its holder. A second delivery of the same message (a broker redelivery
 while the first copy runs) then finds the owner id it carries gone and the key
@@ -86,18 +87,9 @@ def take_over(
     # "alternate": a copy published for an outage whose hand-off's outcome was unknown
     # (taskguard.celery.deferral.retry_later) may hold the key under either owner id.
     given = Handed.of(carried)
+    holder = Holder(task.name, stored_id, request.hostname, os.getpid())
     for owner in (given.owner, given.alternate) if given.alternate else (given.owner,):
-        lease = guard.adopt(
-            key,
-            owner,
-            ttl,
-            slot=given.slot,
-            min_hold=given.min_hold or None,
-            exclusive=True,
-            task_name=task.name,
-            task_id=stored_id,
-            hostname=request.hostname,
-        )
+        lease = guard.take_over(key, owner, ttl, holder, given.slot, given.min_hold)
         if lease is not None:
             signals.lock_acquired.send(sender=task, key=key, lease=lease)
             return lease, False, None
