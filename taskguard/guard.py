@@ -374,6 +374,17 @@ class TaskGuard(AsyncLeases):
             self._store.history.handed_over(owner, lease, new[1])
         return lease
 
+    def take_over(
+        self, key: str, owner: str, seconds: float, holder: Holder, slot: int, min_hold: float
+    ) -> Lease | None:
+        """:meth:`adopt` with ``exclusive=True`` for an integration's run (a lease handed
+        over in a message), whose key is stored form, ``seconds`` validated and
+        ``holder`` complete: nothing is validated again (every hand-off's path)."""
+        lease = self._store.adopt(key, owner, slot, seconds, min_hold, (new_owner(), holder))
+        if lease is not None and self.history:
+            self._store.history.handed_over(owner, lease, holder)
+        return lease
+
     def fence(self, lease: Lease, session: Any) -> int:
         """:meth:`Lease.fence`: check ``lease`` inside ``session``'s transaction and
         return its token; raises :class:`~taskguard.LeaseLost` if it is not held."""

@@ -52,7 +52,7 @@ from typing import Any
 from celery.exceptions import Reject, Retry
 
 from taskguard import signals
-from taskguard.celery.message import HEADER, Header
+from taskguard.celery.message import HEADER, Handed, Header, carry
 from taskguard.config import setting
 from taskguard.exceptions import DatabaseUnavailable, OutcomeUnknown
 from taskguard.holding import release_when_reachable
@@ -212,7 +212,7 @@ def retry_later(run: Any, exc: DatabaseUnavailable) -> BaseException:
     extra = header._replace(key=key, via="retry", outage={"since": since, "n": n + 1})._asdict()
     held: Lease | None = run.lease
     if held is not None:
-        extra["lease"] = held.to_dict()
+        extra["lease"] = carry(held)
     elif isinstance(exc, OutcomeUnknown) and exc.key == key and opts.locks_run and opts.limit == 1:
         # The acquire (or the hand-off) may have committed under exc.owner: the copy
         # adopts that lease if it did, else the one the message carried.
@@ -220,10 +220,8 @@ def retry_later(run: Any, exc: DatabaseUnavailable) -> BaseException:
         maybe = Lease(
             key, exc.owner, 0, at, at + timedelta(seconds=ttl), ttl, 0, opts.min_hold or 0
         )
-        extra["lease"] = maybe.to_dict()
-        handed = header.lease
-        if handed is not None and handed.get("owner") not in (None, exc.owner):
-            extra["lease"]["alternate"] = handed["owner"]
+        given = _handed_owner(header)
+        extra["lease"] = carry(maybe, given if given != exc.owner else None)
     log.warning(
         "lock database unreachable before %s[%s] could start (%s); trying again in %.1fs, "
         "for %.0fs more at most",
@@ -237,6 +235,14 @@ def retry_later(run: Any, exc: DatabaseUnavailable) -> BaseException:
     return retry
 
 
+def _handed_owner(header: Header) -> str | None:
+    """The owner id of the lease the message carried, if any (and well formed)."""
+    try:
+        return None if header.lease is None else Handed.of(header.lease).owner
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def _given_up(run: Any) -> list[Lease]:
     """What a run that gives up holds or was handed: the lease it took, the lease
     the message carries (under either owner id it may have), its pending place."""
@@ -244,12 +250,12 @@ def _given_up(run: Any) -> list[Lease]:
     leases: list[Lease] = []
     held: Lease | None = run.lease
     try:
-        handed = header.lease
-        if handed is not None:
-            carried = Lease.from_dict(handed)
+        if header.lease is not None:
+            given = Handed.of(header.lease)
+            carried = given.lease(header.key)
             leases.append(carried)
-            if handed.get("alternate"):
-                leases.append(dataclasses.replace(carried, owner=str(handed["alternate"])))
+            if given.alternate:
+                leases.append(dataclasses.replace(carried, owner=given.alternate))
         if header.pending is not None:
             leases.append(Lease.from_dict(header.pending))
     except (KeyError, TypeError, ValueError) as exc:

@@ -9,9 +9,12 @@ carried in the message header; a conflict is acted on by the task's
 (:func:`take_over`).
 
 
-The message header holds the lease (``Lease.to_dict()``). The worker adopts it
-with ``TaskGuard.adopt(..., exclusive=True)``: the same row and fencing token,
-renewed to the run's ttl, so there is no moment in which the key is free, and in
+The message header holds the lease in a compact form (one string: its owner id, slot,
+throttle window, token and times; :func:`taskguard.celery.message.carry`); a dict
+header from a version before it is still read. The worker adopts it with
+``TaskGuard.take_over`` (``adopt(..., exclusive=True)`` validating nothing again): the
+same row and fencing token, renewed to the run's ttl, so there is no moment in which
+the key is free, and in
 the same statement passed to an owner id of this run's own, with this pool
 process as its holder. A second delivery of the same message (a broker redelivery
 while the first copy runs) then finds the owner id it carries gone and the key
@@ -23,6 +26,7 @@ fresh acquisition.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from taskguard import signals
@@ -33,9 +37,9 @@ from taskguard.celery.leasing import (
     release_quietly,
     send_released,
 )
-from taskguard.celery.message import Header, Submission, stored_task_id
+from taskguard.celery.message import Handed, Header, Submission, carry, stored_task_id
 from taskguard.guard import TaskGuard
-from taskguard.lease import Lease, LockInfo
+from taskguard.lease import Holder, Lease, LockInfo
 
 __all__ = ["publish", "start_queue_phase", "take_over"]
 
@@ -50,7 +54,7 @@ def start_queue_phase(
     Returns (first, blocked, holder); ``first``: this call ended the carried lease,
     so no other delivery of the message started before it."""
     if header.lease is not None:
-        lease = Lease.from_dict(header.lease)
+        lease = Handed.of(header.lease).lease(key)
         released = release_quietly(guard, lease)
         send_released(task, lease, released, held_seconds(lease))
         return released, False, None
@@ -74,7 +78,7 @@ def start_queue_phase(
 
 
 def take_over(
-    task: Any, guard: TaskGuard, request: Any, key: str, handed: dict[str, Any], ttl: float
+    task: Any, guard: TaskGuard, request: Any, key: str, carried: str | dict[str, Any], ttl: float
 ) -> tuple[Lease | None, bool, LockInfo | None]:
     """Adopt the lease carried in the message: (lease, False, None); or (None, True,
     holder) when another delivery of this task id has it; or (None, False, None) when
@@ -82,21 +86,10 @@ def take_over(
     stored_id = stored_task_id(request.id)
     # "alternate": a copy published for an outage whose hand-off's outcome was unknown
     # (taskguard.celery.deferral.retry_later) may hold the key under either owner id.
-    owners = [str(handed.get("owner"))]
-    if handed.get("alternate"):
-        owners.append(str(handed["alternate"]))
-    for owner in owners:
-        lease = guard.adopt(
-            key,
-            owner,
-            ttl,
-            slot=int(handed.get("slot", 0)),
-            min_hold=float(handed.get("min_hold", 0)) or None,
-            exclusive=True,
-            task_name=task.name,
-            task_id=stored_id,
-            hostname=request.hostname,
-        )
+    given = Handed.of(carried)
+    holder = Holder(task.name, stored_id, request.hostname, os.getpid())
+    for owner in (given.owner, given.alternate) if given.alternate else (given.owner,):
+        lease = guard.take_over(key, owner, ttl, holder, given.slot, given.min_hold)
         if lease is not None:
             signals.lock_acquired.send(sender=task, key=key, lease=lease)
             return lease, False, None
@@ -110,13 +103,15 @@ def take_over(
 def publish(sub: Submission) -> Any:
     """A queue phase's publish: take the lease (for ``queue_ttl`` plus the countdown),
     publish it in the header; or act on the conflict per ``on_conflict``."""
-    task = sub.task
-    opts = task.taskguard_options
-    details = {"task_name": task.name, "task_id": stored_task_id(sub.task_id)}
-    lease, holder = acquire_or_holder(
-        sub.guard, sub.key, sub.ttl, **details, **opts.acquire_options
-    )
+    task, guard, extra = sub.task, sub.guard, sub.opts.acquire_options
+    tid = stored_task_id(sub.task_id)
+    if extra:  # a limit or a throttle window, validated with the holder
+        details = {"task_name": task.name, "task_id": tid, **extra}
+        lease, holder = acquire_or_holder(guard, sub.key, sub.ttl, **details)
+    else:  # one lean acquire: the key, ttl and holder are in stored form already
+        who = Holder(task.name, tid, guard.hostname, os.getpid())
+        lease, holder = acquire_or_holder(guard, sub.key, sub.ttl, who)
     if lease is None:
-        return opts.strategy.held_at_enqueue(sub, holder)
+        return sub.opts.strategy.held_at_enqueue(sub, holder)
     signals.lock_acquired.send(sender=task, key=sub.key, lease=lease)
-    return publish_carrying(sub, Header(sub.key, lease=lease.to_dict()), lease, announce=True)
+    return publish_carrying(sub, Header(sub.key, lease=carry(lease)), lease, announce=True)

@@ -45,7 +45,7 @@ from taskguard.config import setting
 from taskguard.exceptions import TaskGuardError
 from taskguard.guard import TaskGuard
 from taskguard.keys import MAX_TTL, normalize_key, validate_ttl
-from taskguard.lease import Lease, LockInfo, Marker
+from taskguard.lease import Holder, Lease, LockInfo, Marker
 
 __all__ = [
     "acquire_or_holder",
@@ -76,13 +76,20 @@ ATTEMPTS_WHEN_FREED = 3
 
 
 def acquire_or_holder(
-    guard: TaskGuard, key: str, ttl: float, **details: Any
+    guard: TaskGuard, key: str, ttl: float, holder: Holder | None = None, **details: Any
 ) -> tuple[Lease | None, LockInfo | None]:
     """``(lease, None)``, or ``(None, holder)`` when the key is held, with the holder
-    read by the same :meth:`TaskGuard.try_acquire` call. A conflict whose holder
-    released before it could be read is tried again (the key is likely free now)."""
+    read by the same :meth:`TaskGuard.try_acquire` call (``details``: its keyword
+    arguments); given a complete ``holder`` instead (and ``key``, ``ttl`` in stored
+    form), by one :meth:`TaskGuard.take`, which validates nothing again. A conflict
+    whose holder released before it could be read is tried again (the key is likely
+    free now)."""
     for _ in range(ATTEMPTS_WHEN_FREED):
-        attempt = guard.try_acquire(key, ttl, **details)
+        attempt = (
+            guard.try_acquire(key, ttl, **details)
+            if holder is None
+            else guard.take(key, ttl, holder)
+        )
         if attempt.lease is not None or attempt.holder is not None:
             break
     return attempt.lease, attempt.holder

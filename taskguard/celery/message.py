@@ -51,6 +51,7 @@ import hashlib
 import logging
 import re
 from collections.abc import Callable, Mapping
+from datetime import datetime
 from typing import Any, NamedTuple
 
 from celery import states as celery_states
@@ -59,15 +60,18 @@ from celery.result import AsyncResult, EagerResult
 from taskguard.exceptions import InvalidArgument, InvalidKey
 from taskguard.guard import TaskGuard
 from taskguard.keys import normalize_key
-from taskguard.lease import MARKER, SKIPPED
+from taskguard.lease import MARKER, SKIPPED, Lease
 
 __all__ = [
     "CANVAS_OPTIONS",
     "HEADER",
+    "JOIN",
     "MAX_STORED_ID",
+    "Handed",
     "Header",
     "Send",
     "Submission",
+    "carry",
     "has_marker",
     "in_canvas",
     "is_shortened",
@@ -82,6 +86,9 @@ log = logging.getLogger("taskguard.celery")
 HEADER = "taskguard"
 #: Version of the header's layout; published as ``"v"`` from version 2 on.
 VERSION = 1
+#: Joins the key and a handed-over lease in a header published as one string (the
+#: cheapest to serialize); no key contains it.
+JOIN = "\x00"
 
 
 class Header(NamedTuple):
@@ -92,9 +99,10 @@ class Header(NamedTuple):
     #: ``"enqueue"`` (published by ``apply_async``) or ``"retry"`` (a retry or a
     #: deferred copy, which carries its own lease or none).
     via: str = "enqueue"
-    #: A lease handed to the worker (``Lease.to_dict()``): taken at enqueue (queue
-    #: phases), kept across a retry, or held by a run an outage put off.
-    lease: dict[str, Any] | None = None
+    #: A lease handed to the worker in its compact form (:func:`carry`; a dict,
+    #: ``Lease.to_dict()``, from a version before it): taken at enqueue (queue phases),
+    #: kept across a retry, or held by a run an outage put off. Read by :meth:`Handed.of`.
+    lease: str | dict[str, Any] | None = None
     #: Set on a copy published late: ``True`` (on_conflict="retry" at enqueue, or a
     #: lock="queue" conflict in the worker: the worker checks the key again), or the
     #: reason of a deferral (``"rate"``, ``"coalesce"``, ``"outage"``).
@@ -115,8 +123,8 @@ class Header(NamedTuple):
         """The header of a Celery request/context (worker: an attribute; eager
         ``apply()``: inside ``request.headers``) or a request dict; empty if none."""
         value = getattr(request, HEADER, None)  # a worker's request: an attribute
-        if type(value) is str:  # read on every run: the key alone
-            return cls(value)
+        if type(value) is str:  # read on every run: the key alone (or with a lease)
+            return cls(value) if JOIN not in value else cls.of_string(value)
         if isinstance(request, Mapping):
             value, headers = request.get(HEADER), request.get("headers")
         else:
@@ -126,8 +134,15 @@ class Header(NamedTuple):
         if not isinstance(value, (str, Mapping)) and isinstance(headers, Mapping):
             value = headers.get(HEADER)
         if isinstance(value, str):
-            return cls(value)
+            return cls.of_string(value)
         return cls.from_dict(value) if isinstance(value, Mapping) else _EMPTY
+
+    @classmethod
+    def of_string(cls, value: str) -> Header:
+        """A header published as a string: the key, then the lease it hands over, if
+        any (after :data:`JOIN`)."""
+        key, _, lease = value.partition(JOIN)
+        return cls(key, lease=lease or None)
 
     @classmethod
     def from_dict(cls, value: Mapping[str, Any]) -> Header:
@@ -136,18 +151,20 @@ class Header(NamedTuple):
         if value.keys() <= _PLAIN:  # the common case: the key alone
             return cls(get("key"), get("via") or "enqueue")
         polls = get("polls")
-        lease, marker, pending = _dict(get("lease")), _dict(get("marker")), _dict(get("pending"))
+        lease, marker, pending = get("lease"), _dict(get("marker")), _dict(get("pending"))
+        lease = lease if isinstance(lease, str) else _dict(lease)
         polls = polls if type(polls) is int else 0
         extra = (pending, _dict(get("debounce")), polls, _dict(get("outage")))
         return cls(get("key"), get("via") or "enqueue", lease, get("deferred"), marker, *extra)
 
     def to_message(self) -> str | dict[str, Any]:
         """The header as published: the key alone as a string (the common case: a
-        plain header is the cheapest to serialize), else the fields set, defaults left
+        plain header is the cheapest to serialize), or the key and the lease a queue
+        phase hands over, joined by :data:`JOIN`; else the fields set, defaults left
         out (no ``via`` for ``"enqueue"``, no ``v`` for version 1)."""
-        key = self.key
-        if key is not None and self[1:] == _EMPTY[1:]:
-            return key
+        key, lease = self.key, self.lease
+        if key is not None and self[1:] == ("enqueue", lease, *_REST) and type(lease) is not dict:
+            return key if lease is None else f"{key}{JOIN}{lease}"
         out: dict[str, Any] = {} if key is None else {"key": key}
         if self.via != "enqueue":
             out["via"] = self.via
@@ -169,9 +186,60 @@ class Header(NamedTuple):
         return derive(args, kwargs)
 
 
+def carry(lease: Lease, alternate: str | None = None) -> str:
+    """``lease`` as a message hands it over (``Header.lease``; the key is the
+    header's): one string, ``"<owner> <slot> <min_hold> <token> <acquired_at>
+    <expires_at>"`` (times in ISO 8601), then ``alternate`` if given: a second owner
+    id that may hold the key instead (see :func:`taskguard.celery.deferral.retry_later`).
+    Read back by :meth:`Handed.of`."""
+    at, until = lease.acquired_at.isoformat(), lease.expires_at.isoformat()
+    tail = f" {alternate}" if alternate else ""
+    return f"{lease.owner} {lease.slot} {lease.min_hold!r} {lease.token} {at} {until}{tail}"
+
+
+class Handed(NamedTuple):
+    """A lease a message hands over, as carried: what adopting it needs (owner id,
+    slot, throttle window) and what giving it back unadopted reports (:meth:`lease`)."""
+
+    owner: str
+    slot: int
+    min_hold: float
+    token: int
+    acquired_at: str
+    expires_at: str
+    #: A second owner id that may hold the key instead.
+    alternate: str | None = None
+
+    @classmethod
+    def of(cls, value: str | Mapping[str, Any]) -> Handed:
+        """``Header.lease`` read (see :func:`carry`). Raises ``ValueError``,
+        ``KeyError`` or ``TypeError`` if it is malformed."""
+        if isinstance(value, str):
+            owner, slot, hold, token, at, until, *alternate = value.split(" ")
+            other = alternate[0] if alternate else None
+            return cls(owner, int(slot), float(hold), int(token), at, until, other)
+        # A dict (Lease.to_dict()): published by a version before the compact form and
+        # still queued during a rolling upgrade.
+        get = value.get
+        was = [str(value[name]) for name in _DICT_FIELDS]  # owner, token, times
+        numbers = int(get("slot", 0)), float(get("min_hold", 0)), int(was[1])
+        return cls(was[0], *numbers, was[2], was[3], str(get("alternate") or "") or None)
+
+    def lease(self, key: str | None) -> Lease:
+        """The lease, to give it back by its owner id (or report it) unadopted."""
+        acquired = datetime.fromisoformat(self.acquired_at)
+        expires = datetime.fromisoformat(self.expires_at)
+        ttl = max((expires - acquired).total_seconds(), 0.001)
+        return Lease(
+            str(key), self.owner, self.token, acquired, expires, ttl, self.slot, self.min_hold
+        )
+
+
+_DICT_FIELDS = ("owner", "token", "acquired_at", "expires_at")
 _OPTIONAL = ("lease", "deferred", "marker", "pending", "debounce", "polls", "outage")
 _PLAIN = {"v", "key", "via"}
 _EMPTY = Header()
+_REST = _EMPTY[3:]
 
 
 def _dict(value: Any) -> dict[str, Any] | None:
@@ -280,6 +348,8 @@ class Submission(NamedTuple):
     guard: TaskGuard
     #: The lease's length: the task's ``queue_ttl`` plus the publish's countdown.
     ttl: float
+    #: The task's options (``task.taskguard_options``).
+    opts: Any
 
     def publish(self, header: Header) -> Any:
         """Publish the message, carrying ``header``."""

@@ -29,7 +29,7 @@ from celery.utils import uuid
 from taskguard.celery import handoff, pending
 from taskguard.celery.deferral import publish_delay, retry_delay
 from taskguard.celery.leasing import clamp_ttl, retention
-from taskguard.celery.message import HEADER, Header, Submission
+from taskguard.celery.message import HEADER, Header, Submission, carry
 from taskguard.celery.options import (
     ATTR_PREFIX,
     GuardOptions,
@@ -142,7 +142,17 @@ class GuardedTask(Task):  # type: ignore[misc]
         ttl = clamp_ttl(self._queue_ttl() + publish_delay(options))
         guard = guard_for(self._get_app())
         sub = Submission(
-            self, self._send, key, task_id or uuid(), args, kwargs, headers, options, guard, ttl
+            self,
+            self._send,
+            key,
+            task_id or uuid(),
+            args,
+            kwargs,
+            headers,
+            options,
+            guard,
+            ttl,
+            opts,
         )
         if opts.debounce is not None:  # publish late, replacing the pending run
             return pending.publish_debounced(sub)
@@ -188,7 +198,7 @@ class GuardedTask(Task):  # type: ignore[misc]
         key = run.key if mine and run is not None else Header.of(request).key
         # deferred: a lock="queue" conflict (Run.conflict); the retry checks the key again.
         deferred = mine and isinstance(run, Run) and run.deferred
-        handed: dict[str, Any] | None = None
+        handed: str | None = None
         handing = False
         # throw=False lets the body go on after publishing: no hand-off then; the lease
         # is released at the end and the retried run acquires (waiting for us if need be).
@@ -201,7 +211,7 @@ class GuardedTask(Task):  # type: ignore[misc]
             except Exception as err:  # no hand-off; the retried run acquires afresh
                 log.warning("could not extend lock %r for the retry: %s", lease.key, err)
             if handing:
-                handed = lease.to_dict()
+                handed = carry(lease)
         base_headers = options.pop("headers", None)
         if base_headers is None:
             base_headers = getattr(request, "headers", None) or {}

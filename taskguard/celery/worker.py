@@ -65,12 +65,11 @@ from taskguard.celery.leasing import (
     release_quietly,
     send_released,
 )
-from taskguard.celery.message import Header, stored_task_id
+from taskguard.celery.message import Handed, Header, stored_task_id
 from taskguard.celery.task import GuardedTask
 from taskguard.compat import configured
 from taskguard.config import ENV_DATABASE_URL, database_url, guard_for, setting, unknown_settings
 from taskguard.exceptions import ConfigurationError
-from taskguard.lease import Lease
 from taskguard.preflight import check_database
 
 __all__ = [
@@ -212,7 +211,7 @@ def release_unstarted(task: Any, request: Any, header: Header) -> None:
     if header.lease is None:
         return
     try:
-        lease = Lease.from_dict(header.lease)
+        lease = Handed.of(header.lease).lease(header.key)
         guard = guard_for(task._get_app())
         # By the owner id in the message: a lease another delivery of this task id
         # adopted has an owner id of its own, and is left alone.

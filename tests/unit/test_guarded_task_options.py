@@ -18,7 +18,7 @@ from taskguard import (
     guarded_task,
     is_skipped,
 )
-from taskguard.celery.message import HEADER
+from taskguard.celery.message import HEADER, Handed, Header
 from taskguard.config import ENV_DATABASE_URL, reset_guards
 
 
@@ -68,7 +68,9 @@ def test_queue_phase_publishes_the_lease_it_took(memory_app: Celery, pg_url: str
     try:
         info = guard.get("q")
         assert info is not None and info.held
-        assert header["lease"]["owner"] == info.owner and info.holder.task_id == result.id
+        handed = Header.of_string(header).lease
+        assert handed is not None and Handed.of(handed).owner == info.owner
+        assert info.holder.task_id == result.id
         # the lease covers the countdown plus the queue ttl
         assert 20 < info.expires_in.total_seconds() <= 30
         value = job.apply_async().get()  # conflict at enqueue: nothing published

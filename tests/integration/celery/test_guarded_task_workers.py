@@ -30,7 +30,7 @@ from tg_worker_app import make_app
 from workers import purge_queue, start_worker, unique_queue
 
 from taskguard import AlreadyLocked, TaskGuard, is_skipped
-from taskguard.celery.message import HEADER
+from taskguard.celery.message import HEADER, Handed, Header
 from taskguard.config import reset_guards
 
 pytestmark = [pytest.mark.celery, pytest.mark.postgres]
@@ -195,23 +195,25 @@ def test_a_redelivered_hand_off_waits_for_the_copy_that_adopted_it(env: Env) -> 
     # not adopt it too: adopting passes the lease to the run's own owner id.
     queued = env.task("tg.queued")  # queue_and_run, ttl 3 s, on_conflict="raise"
     kid = key_id(env, "redeliver-handoff")
-    sent: dict[str, Any] = {}
+    sent: list[Any] = []
 
     def keep_header(headers: dict[str, Any] | None = None, **_: Any) -> None:
         if headers and headers.get("task") == "tg.queued" and HEADER in headers:
-            sent.update(headers[HEADER])
+            sent.append(headers[HEADER])
 
     before_task_publish.connect(keep_header, weak=False)
     try:
         first = queued.apply_async((kid, 1.5))
     finally:
         before_task_publish.disconnect(keep_header)
-    carried = sent["lease"]["owner"]
+    handed = Header.of_string(sent[0]).lease
+    assert handed is not None
+    carried = Handed.of(handed).owner
     wait_for(started(env, kid), 30, "the first copy to start")
     adopted = env.guard.get(f"queued:{kid}")
     assert adopted is not None and adopted.held and adopted.owner != carried
     assert adopted.holder.task_id == first.id and adopted.holder.hostname != env.guard.hostname
-    env.app.send_task("tg.queued", (kid, 1.5), task_id=first.id, headers={HEADER: sent})
+    env.app.send_task("tg.queued", (kid, 1.5), task_id=first.id, headers={HEADER: sent[0]})
     env.worker.wait_for_log(f"dropped a late copy of finished tg.queued[{first.id}]", 30)
     assert first.get(timeout=RESULT_TIMEOUT) is not None
     found = runs(env.db_url, kid)

@@ -14,7 +14,7 @@ from celery import Celery
 from celery.exceptions import Ignore
 
 from taskguard import TaskGuard, guarded_task
-from taskguard.celery.message import HEADER
+from taskguard.celery.message import HEADER, Header, carry
 from taskguard.config import guard_for, reset_guards
 
 
@@ -26,7 +26,7 @@ def app(pg_url: str) -> Iterator[Celery]:
     reset_guards()
 
 
-def _deliver(task: Any, header: dict[str, Any], task_id: str) -> list[str]:
+def _deliver(task: Any, header: Any, task_id: str) -> list[str]:
     """Run ``task`` once as a delivery of ``task_id``; the SQL it sent."""
     store = guard_for(task._get_app())._store
     run = store._db.run
@@ -54,8 +54,12 @@ def _deliver(task: Any, header: dict[str, Any], task_id: str) -> list[str]:
     return sent
 
 
+@pytest.mark.parametrize("form", ["compact", "dict"])
 @pytest.mark.parametrize(("lock", "statements"), [("queue_and_run", 2), ("queue", 2)])
-def test_a_delivery_of_a_queued_message(app: Celery, lock: str, statements: int) -> None:
+def test_a_delivery_of_a_queued_message(app: Celery, lock: str, statements: int, form: str) -> None:
+    """``form``: the header as published now (one string, the key and the compact
+    lease), or as a version before it published it (a dict with ``Lease.to_dict()``),
+    still queued during a rolling upgrade: the same run either way."""
     ran: list[int] = []
 
     @guarded_task(app=app, shared=False, key="k", ttl=30, lock=lock)
@@ -65,7 +69,10 @@ def test_a_delivery_of_a_queued_message(app: Celery, lock: str, statements: int)
     guard: TaskGuard = guard_for(app)
     lease = guard.acquire("k", 30, task_name=job.name, task_id="tid")  # the publisher's
     assert lease is not None
-    header = {"v": 1, "key": "k", "via": "enqueue", "lease": lease.to_dict()}
+    header: Any = {"v": 1, "key": "k", "via": "enqueue", "lease": lease.to_dict()}
+    if form == "compact":
+        header = Header("k", lease=carry(lease)).to_message()
+        assert header == f"k\x00{carry(lease)}"
     sent = _deliver(job, header, "tid")
     assert ran == [1]
     # queue_and_run: the adoption (under the run's own owner id) and the release with
