@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any
@@ -18,7 +18,7 @@ from taskguard.companions import without_companions
 from taskguard.deadline import DEFAULT_CALL_TIMEOUT
 from taskguard.exceptions import InvalidKey, LockHeld
 from taskguard.fencing import FENCED, fence
-from taskguard.history import LockEvent, explain, secs, story
+from taskguard.history import EVENTS, LockEvent, explain, secs, story
 from taskguard.keys import (
     MAX_LIMIT,
     adopter_for,
@@ -109,6 +109,11 @@ class TaskGuard(AsyncLeases):
     def engine(self) -> Engine:
         """The engine lock statements run on."""
         return self._store.engine
+
+    @property
+    def call_timeout(self) -> float:
+        """Seconds one lease operation may take (read-only)."""
+        return self._store.call_timeout
 
     @property
     def url(self) -> str:
@@ -463,6 +468,7 @@ class TaskGuard(AsyncLeases):
         batch_size: int = 5_000,
         max_batches: int | None = None,
         progress: Callable[[int], Any] | None = None,
+        by: str | None = None,
     ) -> ReapResult:
         """Delete rows whose lease ended more than ``grace`` seconds ago, in batches of
         ``batch_size`` (each its own short transaction). Live leases are never touched;
@@ -471,8 +477,10 @@ class TaskGuard(AsyncLeases):
         ``grace`` must exceed the longest an acquire statement can run: the row is
         what keeps a late, slow acquire from reusing a lower fencing token.
 
-        With lock history on, each removed row is recorded as ``reaped`` and history
-        older than ``history_retention`` is trimmed afterwards.
+        With lock history on, each removed row is recorded as ``reaped``, the run as
+        ``reap`` (on the key ``taskguard:reaper``), and history older than
+        ``history_retention`` is trimmed afterwards. ``by`` names the operator who
+        asked: the run is then recorded with that name even without history.
         """
         grace_s = optional_seconds(grace, "grace")
         if not isinstance(batch_size, int) or batch_size < 1:
@@ -482,6 +490,8 @@ class TaskGuard(AsyncLeases):
         )
         if removed:
             log.info("reaped %d expired lock row(s) in %d batch(es)", removed, batches)
+        if self.history or by:
+            self._store.history.reap_ran(removed, batches, by)
         if self.history:
             self.trim_history(batch_size=batch_size)
         return ReapResult(removed, batches)
@@ -501,6 +511,18 @@ class TaskGuard(AsyncLeases):
         """The most recent ``limit`` history events of ``key``, oldest first (empty
         unless some guard records history: ``TaskGuard(..., history=True)``)."""
         return story(self._store.history.read(normalize_key(key), limit))[-limit:]
+
+    def recent_events(
+        self, *, since: datetime, kinds: Collection[str] | None = None, limit: int = 1_000
+    ) -> list[LockEvent]:
+        """The newest ``limit`` history events of every key recorded at or after
+        ``since`` (e.g. ``guard.db_now() - timedelta(hours=1)``), oldest first, as
+        recorded (a key's story, takeovers told, is :meth:`events`); ``kinds``: only
+        these events (names in :data:`taskguard.history.EVENTS`; default all)."""
+        wanted = list(EVENTS if kinds is None else dict.fromkeys(kinds))
+        if not wanted or any(k not in EVENTS for k in wanted):
+            raise ValueError(f"kinds must be event names among {', '.join(EVENTS)}: {kinds!r}")
+        return self._store.history.recent(since, wanted, int(limit))
 
     def explain(self, key: str, *, limit: int = 50) -> str:
         """The recent story of ``key`` as text: who held it, for how long, who was

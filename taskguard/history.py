@@ -47,6 +47,7 @@ EVENTS = {
     "taken_over": "taken over",
     "force_released": "force-released",
     "reaped": "reaped",
+    "reap": "reaper ran",
 }
 #: Events after which a grant was not taken over: it was given back, ended by an
 #: operator, or its row reaped (``taken_over``: recorded so by taskguard < 0.2).

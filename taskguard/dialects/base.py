@@ -193,6 +193,9 @@ class LockSQL:
     #: An event ending a grant, with the holder of that grant's ``acquired`` event.
     record_ended: Statement
     events: Statement
+    #: Every key's events of some kinds since a time (:data:`~taskguard.dialects.
+    #: event_statements.KIND_SLOTS` kinds at most), newest first.
+    recent_events: Statement
     trim_events: Statement
     #: ``acquire`` refused while the key ``:unless`` is held (one statement); None:
     #: the store reads that key first.

@@ -23,13 +23,17 @@ from sqlalchemy.sql import func
 
 from taskguard.dialects.base import EV, HOLDER_COLS, Flavor
 
-__all__ = ["event_statements"]
+__all__ = ["KIND_SLOTS", "event_statements"]
+
+#: Event kinds ``recent_events`` filters on at most (its unused slots repeat one).
+KIND_SLOTS = 10
 
 _EVENT_COLS = ("at", "key", "slot", "event", "owner", "token", "duration", *HOLDER_COLS, "detail")
 
 
 def event_statements(fl: Flavor) -> dict[str, Any]:
-    """Lock history: recording events, reading a key's story, trimming old events."""
+    """Lock history: recording events, reading a key's story or every key's recent
+    events (index (at) from :since, newest first), trimming old events."""
     now = fl.now
     event_values = {
         "at": now,
@@ -73,6 +77,13 @@ def event_statements(fl: Flavor) -> dict[str, Any]:
         "record_ended": insert(EV).from_select(list(_EVENT_COLS), ended),
         "events": select(*(EV.c[col] for col in ("id", *_EVENT_COLS)))
         .where(EV.c.key == bindparam("key"))
+        .order_by(EV.c.at.desc(), EV.c.id.desc())
+        .limit(bindparam("limit")),
+        "recent_events": select(*(EV.c[col] for col in ("id", *_EVENT_COLS)))
+        .where(
+            EV.c.at >= fl.ts_bind("since"),
+            EV.c.event.in_([bindparam(f"kind{i}") for i in range(KIND_SLOTS)]),
+        )
         .order_by(EV.c.at.desc(), EV.c.id.desc())
         .limit(bindparam("limit")),
         "trim_events": EV.delete().where(

@@ -251,6 +251,7 @@ def build_lock_sql(d: Dialect, sa_dialect: SADialect) -> LockSQL:
         record_event=events["record_event"],
         record_ended=events["record_ended"],
         events=events["events"],
+        recent_events=events["recent_events"],
         trim_events=events["trim_events"],
     )
 

@@ -9,21 +9,24 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
 from taskguard.dialects import Dialect, LockSQL, Statement
+from taskguard.dialects.event_statements import KIND_SLOTS
 from taskguard.exceptions import TaskGuardError
 from taskguard.history import LockEvent
 from taskguard.lease import Holder, Lease
 from taskguard.store.connections import Executor
 
-__all__ = ["EventLog"]
+__all__ = ["REAPER_KEY", "EventLog"]
 
 log = logging.getLogger("taskguard")
 
 _DETAIL_MAX = 500
+#: The key reaper runs are recorded on (``taskguard explain taskguard:reaper``).
+REAPER_KEY = "taskguard:reaper"
 
 
 class EventLog:
@@ -47,6 +50,16 @@ class EventLog:
     def read(self, key: str, limit: int) -> list[LockEvent]:
         """The newest ``limit`` events of ``key`` as recorded, oldest first."""
         rows, _ = self._db.run(self._sql.events, {"key": key, "limit": limit})
+        return [LockEvent.from_row(r, self._dialect.to_datetime) for r in reversed(rows)]
+
+    def recent(self, since: datetime, kinds: Sequence[str], limit: int) -> list[LockEvent]:
+        """The newest ``limit`` events of ``kinds`` (at most :data:`KIND_SLOTS`, at
+        least one) of every key at or after ``since``, oldest first."""
+        values: dict[str, Any] = {
+            f"kind{i}": kinds[min(i, len(kinds) - 1)] for i in range(KIND_SLOTS)
+        }
+        values.update(since=self._dialect.ts_param(since), limit=limit)
+        rows, _ = self._db.run(self._sql.recent_events, values)
         return [LockEvent.from_row(r, self._dialect.to_datetime) for r in reversed(rows)]
 
     def ended(self, lease: Lease, event: str, when: str, reason: str | None = None) -> None:
@@ -170,6 +183,13 @@ class EventLog:
         """Record reaped rows (key, slot, owner, token) where a reap batch could not."""
         if self._sql.reaped_events is not None:
             self._quietly(self._sql.reaped_events, {"rows": json.dumps([list(r) for r in rows])})
+
+    def reap_ran(self, removed: int, batches: int, by: str | None) -> None:
+        """One ``reap`` event per reaper run, on :data:`REAPER_KEY` (``/healthz``
+        reads when the reaper was last seen), with the operator's name if one asked."""
+        detail = f"removed {removed} row(s) in {batches} batch(es)"
+        who = f"; requested by {by}" if by else ""
+        self.record("reap", REAPER_KEY, 0, None, None, detail=detail + who)
 
     def _quietly(self, stmt: Statement, values: Mapping[str, Any]) -> None:
         try:

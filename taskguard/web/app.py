@@ -195,19 +195,41 @@ class _Site:
         return JSONResponse(view.payload)
 
     def healthz(self, request: Request) -> Response:
-        """200 when the database answers and the schema is at head; 503 otherwise,
-        or when the check takes longer than the guard's call timeout."""
-        limit = self.guard._store.call_timeout  # the guard's call_timeout
+        """200 when the database answers and the schema is at head (and, given
+        ``?reaper_interval=S``, the reaper ran within S seconds or cannot be told);
+        503 otherwise, or when the check takes longer than the guard's call timeout."""
+        interval = request.query_params.get("reaper_interval")
+        try:
+            seconds = None if interval is None else float(interval)
+        except ValueError:
+            seconds = -1.0
+        if seconds is not None and not 0 < seconds < float("inf"):
+            error = f"reaper_interval must be a positive number of seconds, not {interval!r}"
+            return JSONResponse({"error": error}, 400)
+        limit = self.guard.call_timeout
         found: list[Any] = []
-        worker = threading.Thread(target=lambda: found.append(pages.health(self.guard)))
-        worker.daemon = True
+
+        def check() -> None:
+            result = pages.health(self.guard)
+            seen = pages.reaper_seen(self.guard, seconds) if seconds and result.ok else ""
+            found.extend((result, seen))
+
+        worker = threading.Thread(target=check, daemon=True)
         worker.start()
         worker.join(limit)
         if not found:
             return JSONResponse({"ok": False, "problems": [f"no answer within {limit:g}s"]}, 503)
-        check = found[0]
-        body = {"ok": check.ok, "problems": check.problems, "schema": check.schema_revision}
-        return JSONResponse(body, status_code=200 if check.ok else 503)
+        result, seen = found
+        body: dict[str, Any] = {
+            "ok": result.ok,
+            "problems": result.problems,
+            "schema": result.schema_revision,
+        }
+        if seconds and result.ok:
+            body["reaper"] = seen or "not seen"
+            if seen is None:
+                body.update(ok=False, problems=[f"no reaper run recorded in the last {seconds:g}s"])
+        return JSONResponse(body, status_code=200 if body["ok"] else 503)
 
     # -- actions ---------------------------------------------------------------------
 
@@ -255,7 +277,7 @@ class _Site:
         operator, _ = await self._form(request)
         grace = float(setting(None, "taskguard_reaper_grace"))
         size = int(setting(None, "taskguard_reaper_batch_size"))
-        result = await _in_thread(self.guard.reap, grace=grace, batch_size=size)
+        result = await _in_thread(self.guard.reap, grace=grace, batch_size=size, by=operator)
         log.warning("reap requested by %s from the web page: %d row(s) removed", operator, result)
         message = f"removed {int(result)} expired lock row(s) in {result.batches} batch(es) (grace {grace:g}s)"
         return self.page(request, "message.html", title="Reaped", message=message)

@@ -10,18 +10,29 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from taskguard.companions import KINDS, companion_rows, describe_companions, kind
-from taskguard.display import printable, printable_event, printable_info
+from taskguard.display import format_duration, printable, printable_event, printable_info
 from taskguard.guard import TaskGuard
-from taskguard.history import explain
+from taskguard.history import EVENTS, LockEvent, explain
 from taskguard.lease import LockInfo
 from taskguard.preflight import CheckResult, check_database
 
-__all__ = ["KeyView", "Overview", "health", "key_view", "locks", "overview", "role"]
+__all__ = [
+    "KeyView",
+    "Overview",
+    "Series",
+    "health",
+    "key_view",
+    "locks",
+    "overview",
+    "reaper_seen",
+    "role",
+]
 
 #: Rows a page lists at most (``taskguard locks --limit``).
 ROWS = 1_000
-#: Keys whose history the overview's chart reads at most.
-CHART_KEYS = 100
+#: History events the overview's chart reads at most, and which.
+CHART_EVENTS = 20_000
+CHART_KINDS = ("conflict", "coalesced")
 CHART_HOURS = 24
 
 
@@ -62,20 +73,32 @@ class Overview:
     keys: int
     shared: int
     oldest: LockInfo | None
-    #: Conflicts per hour, oldest hour first (``None``: no history on these keys).
+    #: Conflicts per hour, oldest hour first (``None``: no history recorded).
     conflicts: list[int] | None
-    chart_keys: int
+    #: The same per (task, outcome), busiest first.
+    series: list[Series]
     truncated: bool
+    #: The chart read its limit of events: the oldest hours may be short.
+    chart_truncated: bool
     problems: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Series:
+    task: str
+    outcome: str
+    hours: list[int]
 
 
 def overview(guard: TaskGuard) -> Overview:
     rows = guard.held(include_expired=True, limit=ROWS)
     live = [r for r in rows if r.held]
     holders = Counter(r.key for r in live)
-    # The chart reads the history of keys held now first, then of expired rows.
-    keys = list({r.key: None for r in sorted(rows, key=lambda r: not r.held)})[:CHART_KEYS]
     now = rows[0].read_at if rows else guard.db_now()
+    events = guard.recent_events(
+        since=now - timedelta(hours=CHART_HOURS), kinds=CHART_KINDS, limit=CHART_EVENTS
+    )
+    series = conflicts_per_hour(events, now)
     return Overview(
         now=now,
         held=len(live),
@@ -83,23 +106,33 @@ def overview(guard: TaskGuard) -> Overview:
         keys=len(holders),
         shared=sum(n > 1 for n in holders.values()),
         oldest=max(live, key=lambda r: r.held_for, default=None),
-        conflicts=conflicts_per_hour(guard, keys, now),
-        chart_keys=len(keys),
+        conflicts=[sum(h) for h in zip(*(s.hours for s in series), strict=True)]
+        if series
+        else (None if not guard.history else [0] * CHART_HOURS),
+        series=series,
         truncated=len(rows) >= ROWS,
+        chart_truncated=len(events) >= CHART_EVENTS,
     )
 
 
-def conflicts_per_hour(guard: TaskGuard, keys: list[str], now: datetime) -> list[int] | None:
-    """Conflicts per hour over the last day on ``keys``, from their histories."""
+def outcome(event: LockEvent) -> str:
+    """What became of a refused start: merged into a pending run, turned away at
+    once, or given up after waiting."""
+    if event.event != "conflict":
+        return EVENTS[event.event]
+    return "gave up waiting" if event.duration else EVENTS["conflict"]
+
+
+def conflicts_per_hour(events: list[LockEvent], now: datetime) -> list[Series]:
+    """Conflicts per hour over the last day per (task, outcome), busiest first."""
     since = now - timedelta(hours=CHART_HOURS)
-    hours: Counter[int] = Counter()
-    recorded = False
-    for key in keys:
-        for event in guard.events(key, limit=500):
-            recorded = True
-            if event.event == "conflict" and event.at > since:
-                hours[int((event.at - since).total_seconds() // 3600)] += 1
-    return [hours[h] for h in range(CHART_HOURS)] if recorded else None
+    counts: dict[tuple[str, str], list[int]] = {}
+    for event in events:
+        hour = min(int((event.at - since).total_seconds() // 3600), CHART_HOURS - 1)
+        name = (event.holder.task_name or "(no task name)", outcome(event))
+        counts.setdefault(name, [0] * CHART_HOURS)[max(hour, 0)] += 1
+    found = [Series(task, how, hours) for (task, how), hours in counts.items()]
+    return sorted(found, key=lambda s: (-sum(s.hours), s.task, s.outcome))
 
 
 def chart(counts: list[int], width: int = 480, height: int = 120) -> dict[str, Any]:
@@ -153,3 +186,15 @@ def key_view(guard: TaskGuard, key: str, limit: int = 50) -> KeyView:
 def health(guard: TaskGuard) -> CheckResult:
     """``taskguard check`` on the guard's engine: reachable, schema at head, privileges."""
     return check_database(guard.engine)
+
+
+def reaper_seen(guard: TaskGuard, interval: float) -> str | None:
+    """When the reaper last ran, from its ``reap`` events; ``None`` if not within
+    ``interval`` seconds. Its runs are recorded only with lock history on: without
+    it (on this guard), "unknown"."""
+    if not guard.history:
+        return "unknown (its runs are recorded only with lock history on)"
+    now = guard.db_now()
+    since = now - timedelta(seconds=interval)
+    runs = guard.recent_events(since=since, kinds=["reap"], limit=1)
+    return f"ran {format_duration(now - runs[0].at)} ago" if runs else None

@@ -10,9 +10,11 @@ import shutil
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 from conftest import REDIS_URL
 from integration.celery.workers import start_worker
 from sqlalchemy import create_engine, text
@@ -184,10 +186,42 @@ def test_history_is_trimmed_by_age(db_url: str) -> None:
         assert guard.reap(grace=0) == 1  # the retention keeps recent events
         assert len(guard.events(KEY)) == 7
         time.sleep(0.05)
-        assert guard.trim_history(0.01, batch_size=2) == 7
+        assert guard.trim_history(0.01, batch_size=2) == 8  # and the reaper's run
         assert guard.events(KEY) == []
     finally:
         guard.dispose()
+
+
+def test_recent_events_read_every_key_even_reaped_ones(db_url: str) -> None:
+    guard, quiet = TaskGuard(db_url, history=True), TaskGuard(db_url)
+    try:
+        since = guard.db_now()
+        for key, task in (("a", "app.one"), ("b", "app.two")):
+            assert guard.acquire(key, 0.2)
+            assert guard.try_acquire(key, 30, task_name=task).lease is None
+        time.sleep(0.3)
+        assert guard.reap(grace=0, by="alice") == 2
+        conflicts = guard.recent_events(since=since, kinds=["conflict"])
+        assert [(e.key, e.holder.task_name) for e in conflicts] == [
+            ("a", "app.one"),
+            ("b", "app.two"),
+        ]
+        assert [e.key for e in guard.recent_events(since=since, kinds=["conflict"], limit=1)] == [
+            "b"
+        ]
+        assert len(guard.recent_events(since=since)) == 7  # 2 x (acquired, conflict, reaped), reap
+        (run,) = guard.recent_events(since=since, kinds=["reap", "coalesced"])
+        assert run.key == "taskguard:reaper"
+        assert run.detail == "removed 2 row(s) in 1 batch(es); requested by alice"
+        assert quiet.reap(grace=0) == 0 and quiet.reap(grace=0, by="bob") == 0
+        runs = guard.recent_events(since=since, kinds=["reap"])
+        assert [r.detail for r in runs][1:] == ["removed 0 row(s) in 1 batch(es); requested by bob"]
+        assert guard.recent_events(since=guard.db_now() + timedelta(hours=1)) == []
+        with pytest.raises(ValueError, match="kinds must be event names"):
+            guard.recent_events(since=since, kinds=["conflicts"])
+    finally:
+        guard.dispose()
+        quiet.dispose()
 
 
 def test_an_exclusive_adoption_is_a_hand_over_in_the_story(db_url: str) -> None:

@@ -139,6 +139,32 @@ def test_reap_now(leases: TaskGuard) -> None:
     assert answer.status_code == 200
     # The reaper's grace (300s) keeps the row that expired a moment ago.
     assert "removed 0 expired lock row(s)" in answer.text
+    run = leases.events("taskguard:reaper")[-1]
+    assert run.event == "reap" and run.detail and run.detail.endswith("requested by alice")
+
+
+def test_the_chart_counts_conflicts_of_reaped_keys_by_task_and_outcome(guard: TaskGuard) -> None:
+    for n in range(3):
+        assert guard.acquire(f"gone:{n}", 0.2, task_name="app.sync")
+        assert guard.try_acquire(f"gone:{n}", 30, task_name="app.sync").lease is None
+    assert guard.acquire("gone:0", 30, task_name="app.sync", wait=0.05) is None  # still held
+    assert guard.acquire("kept", 300)
+    assert guard.try_acquire("kept", 30, task_name="app.mail").lease is None
+    time.sleep(0.3)
+    assert guard.reap(grace=0) == 3  # only "kept" has a row now
+    page = _client(guard, operator=None).get("/").text
+    assert "5 conflict(s) in all" in page
+    rows = re.findall(r"<tr><td>([^<]*)</td><td>([^<]*)</td><td>(\d+)</td>", page)
+    assert rows == [
+        ("app.sync", "turned away", "3"),
+        ("app.mail", "turned away", "1"),
+        ("app.sync", "gave up waiting", "1"),
+    ]
+    quiet = TaskGuard(guard.engine)  # history off here: the chart reads what others record
+    try:
+        assert "5 conflict(s) in all" in _client(quiet, operator=None).get("/").text
+    finally:
+        quiet.dispose()
 
 
 def test_read_only_shows_no_action_and_refuses_posts(leases: TaskGuard) -> None:
@@ -216,6 +242,19 @@ def test_mounted_under_a_prefix(leases: TaskGuard) -> None:
 def test_healthz(db_url: str, guard: TaskGuard, request: pytest.FixtureRequest) -> None:
     ok = TestClient(create_app(guard)).get("/healthz")
     assert ok.status_code == 200 and ok.json()["ok"] is True
+    reaper = TestClient(create_app(guard)).get("/healthz?reaper_interval=60")
+    assert reaper.status_code == 503 and reaper.json()["reaper"] == "not seen"
+    assert reaper.json()["problems"] == ["no reaper run recorded in the last 60s"]
+    guard.reap()
+    reaper = TestClient(create_app(guard)).get("/healthz?reaper_interval=60")
+    assert reaper.status_code == 200 and reaper.json()["reaper"].startswith("ran ")
+    quiet = TaskGuard(db_url)  # no history: whether the reaper runs cannot be told
+    try:
+        unknown = TestClient(create_app(quiet)).get("/healthz?reaper_interval=60")
+        assert unknown.status_code == 200 and unknown.json()["reaper"].startswith("unknown")
+        assert TestClient(create_app(quiet)).get("/healthz?reaper_interval=0").status_code == 400
+    finally:
+        quiet.dispose()
     dialect = request.node.callspec.params["db_url"]
     if dialect == "sqlite":
         empty = f"sqlite:///{request.getfixturevalue('tmp_path') / 'empty.sqlite'}"
