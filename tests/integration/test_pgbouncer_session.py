@@ -59,7 +59,8 @@ def test_unnamed_statements_through_session_pooling(db_url: str) -> None:
 
 
 def test_wait_through_session_pooling_polls(db_url: str) -> None:
-    assert _wait_after_release(db_url) < 1.0  # polling backs off to 0.5 s at most
+    # Polling backs off to 0.5 s at most (not RECHECK's 5 s); the rest is room for load.
+    assert _wait_after_release(db_url) < 3.0
 
 
 def test_wait_listening_through_the_session_pooler(db_url: str) -> None:
