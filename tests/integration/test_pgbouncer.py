@@ -149,7 +149,7 @@ def _already_warned(url: str) -> bool:
 
 def test_wait_with_a_direct_listen_url_is_woken_by_the_release(db_url: str, pg_url: str) -> None:
     latency = _wait_after_release(db_url, listen_url=pg_url)
-    assert latency < 0.1, latency
+    assert latency < 1.0, latency  # not RECHECK's 5 s; room for a loaded machine
 
 
 # -- named statements only where nothing can hand them to another client ---------------
