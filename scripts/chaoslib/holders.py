@@ -29,7 +29,9 @@ def _paused_holder(url: str, key: str, ttl: float, pause_point: float, conn: Any
     conn.send(lease.to_dict() if lease else None)
     if lease is None:
         return
-    time.sleep(pause_point)  # the parent freezes us in here
+    # The parent freezes us in here, then nudges us on once thawed (a fixed sleep can
+    # run out before a loaded parent has frozen us: the write would then come in time).
+    conn.poll(pause_point)
     accepted, _counter, ts = res.write(key, lease.token)
     now = us(guard.db_now())
     conn.send(
@@ -58,7 +60,7 @@ def paused_holder_round(url: str, key: str, ttl: float = 0.5) -> PausedRound:
     """One SIGSTOP/SIGCONT round on ``key``; the resource row must exist."""
     ctx = mp.get_context("fork")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_paused_holder, args=(url, key, ttl, 1.0, child), daemon=True)
+    proc = ctx.Process(target=_paused_holder, args=(url, key, ttl, 60.0, child), daemon=True)
     proc.start()
     guard, res = TaskGuard(url), Resource(url)
     try:
@@ -74,6 +76,7 @@ def paused_holder_round(url: str, key: str, ttl: float = 0.5) -> PausedRound:
             lease2 = guard.acquire(key, 30)
         accepted, _c, _ts = res.write(key, lease2.token)
         os.kill(proc.pid, signal.SIGCONT)
+        parent.send("go on")
         paused = time.monotonic() - stopped
         if not parent.poll(60):
             raise TimeoutError("thawed holder did not report")

@@ -36,7 +36,7 @@ def _expected_rows() -> list[str]:
     return listed.stdout.split()
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(960)
 def test_quick_benchmark_reports_every_row(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     proc = subprocess.run(
@@ -59,7 +59,7 @@ def test_quick_benchmark_reports_every_row(tmp_path: Path) -> None:
         env={**os.environ, "TGBENCH_STORM_REDIS_DB": str(REDIS_BASE + 3)},
         capture_output=True,
         text=True,
-        timeout=360,
+        timeout=900,  # 1-2 minutes alone; over 6 on a 2-core machine at a load of 15-20
     )
     assert proc.returncode == 0, f"bench failed:\n{proc.stdout[-5000:]}\n{proc.stderr[-5000:]}"
     data = json.loads(out.read_text())

@@ -137,6 +137,9 @@ def installed_taskguard(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "-q",
             "--no-deps",
             "--no-index",
+            # A source tree on PYTHONPATH (its egg-info) otherwise reads as "already
+            # installed with the same version" and the wheel is skipped.
+            "--force-reinstall",
             str(wheel),
         ],
         check=True,

@@ -37,12 +37,14 @@ def _write(session: Session, writer: str, token: int) -> None:
     )
 
 
-def _stale_holder(url: str, acquired: Any, out: Any) -> None:
+def _stale_holder(url: str, acquired: Any, taken: Any, out: Any) -> None:
     guard = TaskGuard(url)
     lease = guard.acquire(KEY, 0.3)
     assert lease is not None
     acquired.set()
-    time.sleep(0.8)  # a GC pause / stalled worker: the lease expires and is taken over
+    # A GC pause / stalled worker: the lease expires and is taken over. (An event, not a
+    # fixed sleep: on a loaded machine the takeover can come later than any sleep.)
+    assert taken.wait(60)
     engine = create_engine(url)
     try:
         with Session(engine) as session, session.begin():
@@ -58,18 +60,18 @@ def _stale_holder(url: str, acquired: Any, out: Any) -> None:
 def test_a_stale_holders_fenced_commit_fails(db_url: str) -> None:
     _business_table(db_url)
     ctx = mp.get_context("fork")
-    acquired, out = ctx.Event(), ctx.Queue()
-    stale = ctx.Process(target=_stale_holder, args=(db_url, acquired, out))
+    acquired, taken, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    stale = ctx.Process(target=_stale_holder, args=(db_url, acquired, taken, out))
     stale.start()
     assert acquired.wait(30)
-    time.sleep(0.4)
     guard, engine = TaskGuard(db_url), create_engine(db_url)
     try:
-        lease = guard.acquire(KEY, 30)
+        lease = guard.acquire(KEY, 30, wait=30)  # granted once the stale lease expires
         assert lease is not None
         with Session(engine) as session, session.begin():
             token = lease.fence(session)
             _write(session, "current", token)
+        taken.set()
         outcome = out.get(timeout=30)
         stale.join(timeout=30)
         assert stale.exitcode == 0

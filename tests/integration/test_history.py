@@ -30,8 +30,9 @@ TASKGUARD = (
 
 def _crashing_importer(url: str) -> None:
     guard = TaskGuard(url, history=True)
-    # Long enough that t2 is turned away and t3 must wait, even on a loaded machine.
-    assert guard.acquire(KEY, 2.0, task_name="import_feed", task_id="t1") is not None
+    # Long enough that t2 is turned away and t3 must wait, even on a loaded machine
+    # (t2 is a new process, its connection too: 2 s is thin at a load of 15-20).
+    assert guard.acquire(KEY, 5.0, task_name="import_feed", task_id="t1") is not None
     os._exit(0)  # dies holding the lease: no release
 
 
@@ -43,7 +44,7 @@ def _turned_away(url: str, out: Any) -> None:
 
 def _patient(url: str, out: Any) -> None:
     guard = TaskGuard(url, history=True)
-    lease = guard.acquire(KEY, 30, task_name="import_feed", task_id="t3", wait=10)
+    lease = guard.acquire(KEY, 30, task_name="import_feed", task_id="t3", wait=30)
     assert lease is not None
     time.sleep(0.1)
     out.put(guard.release(lease))

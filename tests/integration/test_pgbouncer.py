@@ -137,7 +137,8 @@ def test_wait_through_transaction_pooling_polls_and_says_so(
         latency = _wait_after_release(db_url)
     lines = [r.getMessage() for r in caplog.records if "connection pooler" in r.getMessage()]
     assert len(lines) <= 1 and (lines or _already_warned(db_url)), caplog.text
-    assert latency < 1.0, latency  # polling backs off to 0.5 s at most
+    # Polling backs off to 0.5 s at most (not RECHECK's 5 s); the rest is room for load.
+    assert latency < 3.0, latency
 
 
 def _already_warned(url: str) -> bool:
@@ -148,7 +149,7 @@ def _already_warned(url: str) -> bool:
 
 def test_wait_with_a_direct_listen_url_is_woken_by_the_release(db_url: str, pg_url: str) -> None:
     latency = _wait_after_release(db_url, listen_url=pg_url)
-    assert latency < 0.1, latency
+    assert latency < 1.0, latency  # not RECHECK's 5 s; room for a loaded machine
 
 
 # -- named statements only where nothing can hand them to another client ---------------

@@ -59,12 +59,14 @@ def test_unnamed_statements_through_session_pooling(db_url: str) -> None:
 
 
 def test_wait_through_session_pooling_polls(db_url: str) -> None:
-    assert _wait_after_release(db_url) < 1.0  # polling backs off to 0.5 s at most
+    # Polling backs off to 0.5 s at most (not RECHECK's 5 s); the rest is room for load.
+    assert _wait_after_release(db_url) < 3.0
 
 
 def test_wait_listening_through_the_session_pooler(db_url: str) -> None:
     # listen_url may name a session-pooled URL: LISTEN keeps its server connection.
-    assert _wait_after_release(db_url, listen_url=db_url) < 0.1
+    # Woken by the release, not by RECHECK (5 s); 0.1 s failed at a load of 15 (0.18 s).
+    assert _wait_after_release(db_url, listen_url=db_url) < 1.0
 
 
 def test_cli_through_session_pooling(db_url: str) -> None:

@@ -167,6 +167,9 @@ def test_installed_wheel_migrates_an_existing_database(tmp_path: Path, empty_pg_
             "-q",
             "--no-deps",
             "--no-index",
+            # A source tree on PYTHONPATH (its egg-info) otherwise reads as "already
+            # installed with the same version" and the wheel is skipped.
+            "--force-reinstall",
             str(wheel),
         ],
         check=True,

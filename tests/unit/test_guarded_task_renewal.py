@@ -88,7 +88,8 @@ def test_unreachable_database_loses_the_lease_when_it_runs_out(
 
 
 def test_handed_over_lease_is_not_reported_lost(pg_guard: TaskGuard) -> None:
-    lease = pg_guard.acquire("k", 0.3)
+    # 3 s, not 0.3 s: on a loaded machine the lease ran out before the release.
+    lease = pg_guard.acquire("k", 3)
     assert lease is not None
     run = Hold(pg_guard, "k", lease, request=None)
     run.start_renewing()
@@ -96,7 +97,7 @@ def test_handed_over_lease_is_not_reported_lost(pg_guard: TaskGuard) -> None:
     try:
         run.handed_over = True
         assert pg_guard.release(lease)  # the retried run finished and released it
-        time.sleep(0.5)
+        time.sleep(1.5)  # past the renewer's look at ttl/3
         assert run.lost is None
     finally:
         beat.stop_renewing()
@@ -119,14 +120,16 @@ def _renewer_threads() -> list[threading.Thread]:
 
 
 def test_one_renewer_thread_serves_every_run_and_exits_when_idle(pg_guard: TaskGuard) -> None:
-    leases = [pg_guard.acquire(f"k{i}", 0.6) for i in range(3)]
+    # 3 s: renewals every ttl/3 must keep up on a loaded machine (0.6 s lost one there).
+    leases = [pg_guard.acquire(f"k{i}", 3) for i in range(3)]
     assert all(lease is not None for lease in leases)
     first = [lease.expires_at for lease in leases if lease is not None]
     beats = [Hold(pg_guard, lease.key, lease, request=None) for lease in leases if lease]
     for beat in beats:
         beat.start_renewing()
     try:
-        time.sleep(0.9)  # past the first ttl: only renewals keep them
+        while pg_guard.db_now() <= max(first):  # past the first ttl: only renewals keep them
+            time.sleep(0.05)
         assert len(_renewer_threads()) == 1
         assert holding.renewing() == 3
         for lease, before in zip(leases, first, strict=True):
@@ -173,13 +176,15 @@ def test_short_runs_do_not_wake_the_renewer(
         time.sleep(0.002)  # as between tasks: the thread could run here
     assert wakes == []
     # A run due before the thread's next look is still renewed on time.
-    short_lease = pg_guard.acquire("k2", 0.3)
+    # (3 s, not 0.3 s: a loaded machine's renewer took longer than 0.25 s to get there.)
+    short_lease = pg_guard.acquire("k2", 3)
     assert short_lease is not None
     first_expiry = short_lease.expires_at
     beat = Hold(pg_guard, "k2", short_lease, request=None)
     beat.start_renewing()
     try:
-        time.sleep(0.25)
+        while short_lease.expires_at == first_expiry and pg_guard.db_now() < first_expiry:
+            time.sleep(0.05)
         assert short_lease.expires_at > first_expiry
     finally:
         beat.stop_renewing()
