@@ -73,7 +73,7 @@ class _Recorder:
             # Sent outside the task's own run: its publish (a queue phase).
             in_run = not getattr(sender.request, "called_directly", True)
             attributes["taskguard.lock.phase"] = "run" if in_run else "queue"
-            attributes["taskguard.lock.strategy"] = opts.on_conflict
+            attributes["taskguard.lock.strategy"] = str(opts.conflict)
             attributes["taskguard.lock.limit"] = opts.limit
         if self.record_keys and key is not None:
             attributes["taskguard.lock.key"] = str(key)
