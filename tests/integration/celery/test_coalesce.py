@@ -254,7 +254,8 @@ def test_a_body_holding_the_gil_past_its_ttl_learns_of_the_loss_when_python_runs
     second = wait_for(lambda: guard.acquire(key, 30, task_name="second"), 20, "the key")
     log = penv.worker.log_text()
     (run,) = runs(penv, kid)
-    if run.note == "holding the GIL":  # the key went to another holder while the call ran
+    taken_while_running = run.note == "holding the GIL"
+    if taken_while_running:  # the key went to another holder while the call ran
         assert f"lost lock {key!r}" not in log, log[-3000:]  # nothing declared: no Python ran
     else:
         # SQLite only: a statement the starved process had begun (a renewal) can keep the
@@ -266,7 +267,8 @@ def test_a_body_holding_the_gil_past_its_ttl_learns_of_the_loss_when_python_runs
     assert guard.release(second)
     story = [e.event for e in guard.events(key, limit=1000)]
     guard.dispose()
-    assert "taken_over" in story, story
+    if taken_while_running:  # else the holder's loss came first: lost, then granted
+        assert "taken_over" in story, story
 
 
 # -- debounce= -----------------------------------------------------------------------------
