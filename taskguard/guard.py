@@ -373,11 +373,9 @@ class TaskGuard(AsyncLeases):
         seconds = validate_ttl(ttl)
         hold = optional_seconds(min_hold, "min_hold")
         holder = adopter_for(self.hostname, exclusive, task_name, task_id, hostname, pid, slot)
-        new = None if holder is None else (new_owner(), holder)
-        lease = self._store.adopt(key, owner, slot, seconds, hold, new)
-        if lease is not None and new is not None and self.history:
-            self._store.history.handed_over(owner, lease, new[1])
-        return lease
+        if holder is not None:  # exclusive: the hand-over, validated
+            return self.take_over(key, owner, seconds, holder, slot, hold)
+        return self._store.adopt(key, owner, slot, seconds, hold, None)
 
     def take_over(
         self, key: str, owner: str, seconds: float, holder: Holder, slot: int, min_hold: float
