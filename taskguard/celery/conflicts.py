@@ -139,8 +139,7 @@ class Retry(Strategy):
 
     def at_run(self, run: Any, holder: LockInfo | None, waited: float | None) -> Any:
         task, request, key, opts = run.task, run.request, run.key, run.opts
-        own = run.owns(holder)
-        countdown = conflict_countdown(None if own else opts.retry_countdown, holder)
+        countdown = conflict_countdown(opts.retry_countdown, holder)
         if not opts.locks_run:  # lock="queue": the retry is checked again, like a deferral
             run.deferred = True
         log.warning(
@@ -148,7 +147,7 @@ class Retry(Strategy):
             task.name,
             request.id,
             countdown,
-            "another delivery of this task id" if own else f"retry {request.retries + 1}",
+            f"retry {request.retries + 1}",
             key,
             describe_holder(holder),
         )
@@ -187,19 +186,32 @@ class Defer(Strategy):
     never dropped, as a start over the rate is not)."""
 
     name = run_action = Conflict.DEFER
+    #: The deferral's reason (``run_deferred``, the metric), and what it waits for.
+    reason, waits_for = "busy", ""
 
     def at_run(self, run: Any, holder: LockInfo | None, waited: float | None) -> Any:
         task, request, key = run.task, run.request, run.key
         described = describe_holder(holder)
-        log.info("%s[%s] waits: lock %r is held by %s", task.name, request.id, key, described)
+        why = f"{task.name}[{request.id}] waits{self.waits_for}"
+        log.info("%s: lock %r is held by %s", why, key, described)
         polls = run.header.polls
         countdown = poll_countdown(polls, holder)
-        raise defer(task, request, key, countdown, "busy", {"polls": polls + 1})
+        raise defer(task, request, key, countdown, self.reason, {"polls": polls + 1})
+
+
+class Redelivery(Defer):
+    """Another delivery of the very message holding the key (whatever ``on_conflict``
+    says): re-checked like a deferred start until that run ends (then dropped as a late
+    copy if it finished) or its lease runs out."""
+
+    run_action = Conflict.RETRY
+    reason, waits_for = "redelivery", " for another delivery of this task id"
 
 
 SKIP = Strategy()
-#: Also what another delivery of the same message does (whatever the strategy).
 RETRY = Retry()
+#: What another delivery of the same message does (whatever the strategy).
+REDELIVERY = Redelivery()
 #: The Celery actions of every conflict mode (wait and coalesce act in the run's
 #: acquire and in taskguard.celery.pending; a conflict left after them skips).
 ACTIONS: dict[Conflict, Strategy] = {

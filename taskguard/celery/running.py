@@ -23,7 +23,8 @@ from typing import Any
 
 from taskguard import signals
 from taskguard.celery import deferral, handoff, pending, rate
-from taskguard.celery.deferral import defer, poll_countdown
+from taskguard.celery.conflicts import REDELIVERY
+from taskguard.celery.deferral import defer
 from taskguard.celery.leasing import (
     acquire_or_holder,
     drop_late_copy,
@@ -38,7 +39,7 @@ from taskguard.celery.message import Header, stored_task_id
 from taskguard.config import guard_for
 from taskguard.exceptions import DatabaseUnavailable
 from taskguard.holding import Hold, Interrupter, enter_run, exit_run, valid_until
-from taskguard.lease import Holder, Lease, LockInfo, Marker, describe_holder, is_marker
+from taskguard.lease import Holder, Lease, LockInfo, Marker, is_marker
 
 __all__ = ["Run"]
 
@@ -279,22 +280,7 @@ class Run(Hold):
         # max_retries, at most about a second apart, never past the holder's expiry)
         # and run it once that copy is done (dropped as a late copy if it finished).
         if self.owns(holder):
-            polls = self.header.polls
-            if polls == 0:
-                log.warning(
-                    "%s[%s] waits for another delivery of this task id: lock %r is held by %s",
-                    self.task.name,
-                    self.request.id,
-                    self.key,
-                    describe_holder(holder),
-                )
-                signals.lock_conflict.send(
-                    sender=self.task, key=self.key, holder=holder, action="retry"
-                )
-            countdown = poll_countdown(polls, holder)
-            raise defer(
-                self.task, self.request, self.key, countdown, "redelivery", {"polls": polls + 1}
-            )
+            return REDELIVERY.held_at_run(self, holder, waited)
         return self.opts.strategy.held_at_run(self, holder, waited)
 
 
