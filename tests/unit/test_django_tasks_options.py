@@ -40,7 +40,7 @@ def test_takes_context_is_not_part_of_the_key() -> None:
         pass
 
     spec = guarded(key="feed:{feed_url}")(with_context).taskguard
-    assert spec.takes_context and spec.key(("ctx", "https://x"), {}) == "feed:https://x"
+    assert spec.skip_first and spec.key(("ctx", "https://x"), {}) == "feed:https://x"
     assert (
         spec.opts.deriver.derive(("https://x",), {}) == "feed:https://x"
     )  # at enqueue: no context

@@ -10,28 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
-import time
-from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.utils.module_loading import import_string
 
-from taskguard.contrib.django_tasks.framework import BaseTaskBackend, TaskResult
-from taskguard.contrib.django_tasks.run import GuardSpec, guarded, project_guard
-from taskguard.exceptions import AlreadyLocked, ConfigurationError, OutcomeUnknown
-from taskguard.guard import TaskGuard
-from taskguard.holding import release_when_reachable
-from taskguard.lease import Lease, LockInfo, describe_holder
-from taskguard.options import OPTION_NAMES, Conflict
+from taskguard.contrib.django_tasks.framework import BaseTaskBackend
+from taskguard.contrib.django_tasks.run import guarded, project_guard, project_settings
+from taskguard.exceptions import AlreadyLocked, ConfigurationError
+from taskguard.options import OPTION_NAMES
+from taskguard.runs import Actions, GuardSpec, enqueue_locked
 
 __all__ = ["GuardedBackend"]
-
-log = logging.getLogger("taskguard.django_tasks")
-
-#: How long a duplicate waits for the enqueue that holds the key to name its job.
-JOB_ID_WAIT = 5.0
 
 
 class GuardedBackend(BaseTaskBackend):  # type: ignore[misc,unused-ignore]
@@ -69,57 +59,32 @@ class GuardedBackend(BaseTaskBackend):  # type: ignore[misc,unused-ignore]
         spec = _queue_locked(task)
         if spec is None:
             return super().enqueue(task, args, kwargs)  # type: ignore[safe-super,unused-ignore]
-        key, guard, ttl = (
-            spec.opts.deriver.derive(args, kwargs),
-            project_guard(),
-            spec.durations().queue_ttl,
-        )
-        try:  # the holder names no job until the job exists: its run adopts such a lease too
-            lease, holder = guard.try_acquire(
-                key, ttl, task_name=spec.name, **spec.opts.acquire_options
-            )
-        except OutcomeUnknown as exc:  # it may land later: given back once the database answers
-            now = datetime.now(timezone.utc)
-            maybe = Lease(key, exc.owner, 0, now, now + timedelta(seconds=ttl), ttl)
-            release_when_reachable(guard, [maybe], f"{spec.name}: enqueue failed", landing=True)
-            raise
-        if lease is None:
-            job = _job_of(guard, key, spec, holder)
-            if job is not None:  # on_conflict="existing": the queued job answers
-                log.info("task %s: lock %r held by queued job %s; answering with it",
-                         spec.name, key, job)  # fmt: skip
-                answer = self.get_result(job)
-                if answer.task is None:  # a backend that cannot tell a queued job's task
-                    object.__setattr__(answer, "task", task)
-                return answer
-            raise AlreadyLocked(
-                key,
-                holder,
-                f"task {spec.name}: not enqueued: a job for lock {key!r} is already queued or "
-                f"running ({describe_holder(holder)})",
-            )
-        try:
-            result: TaskResult = super().enqueue(task, args, kwargs)  # type: ignore[safe-super,unused-ignore]
-        except BaseException:
-            guard.release(lease)
-            raise
-        # Name the job on its lease (None: its run already adopted it).
-        guard.adopt(key, lease.owner, ttl, slot=lease.slot, exclusive=True,
-                    task_name=spec.name, task_id=result.id)  # fmt: skip
-        return result
+        publish = super().enqueue  # type: ignore[safe-super,unused-ignore]
+        return enqueue_locked(
+            spec, project_settings(), args, kwargs, lambda: publish(task, args, kwargs),
+            job_id=lambda result: str(result.id), actions=_Answers(self, task),
+            guard=project_guard(),
+        )  # fmt: skip
 
 
-def _job_of(guard: TaskGuard, key: str, spec: GuardSpec, holder: LockInfo | None) -> str | None:
-    """The queued job to answer a duplicate with (``on_conflict="existing"``), once
-    the enqueue holding the key has named it (it may be between its acquire and its
-    job's creation: waited for up to :data:`JOB_ID_WAIT`)."""
-    if spec.opts.conflict is not Conflict.EXISTING:
-        return None
-    deadline = time.monotonic() + JOB_ID_WAIT
-    while holder is not None and holder.holder.task_id is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-        holder = next((r for r in guard.get_all(key) if r.held), None)
-    return holder.holder.task_id if holder is not None else None
+class _Answers(Actions):
+    """A duplicate enqueue: answered with the queued job's result (``existing``), else
+    refused (an enqueue has no skipped result to return)."""
+
+    def __init__(self, backend: Any, task: Any) -> None:
+        self.backend, self.task = backend, task
+
+    def skip(self, value: dict[str, Any], error: AlreadyLocked) -> Any:
+        raise error
+
+    def retry(self, countdown: float, error: AlreadyLocked) -> Any:
+        raise error
+
+    def existing(self, job_id: str) -> Any:
+        answer = self.backend.get_result(job_id)
+        if answer.task is None:  # a backend that cannot tell a queued job's task
+            object.__setattr__(answer, "task", self.task)
+        return answer
 
 
 def _queue_locked(task: Any) -> GuardSpec | None:

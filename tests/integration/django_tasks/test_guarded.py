@@ -34,5 +34,5 @@ def test_guarded_tasks_in_a_project(tmp_path: Path) -> None:
     seen = json.loads(next(line for line in lines if line.startswith("{")))
     assert seen == dict.fromkeys(seen, True), seen
     # The skipped run's conflict is logged with the key and the holder.
-    assert any("skipped: lock 'item:1' is held by" in line and "someone.else" in line
+    assert any("]: lock 'item:1' is held by" in line and "skipped" in line and "someone.else" in line
                for line in lines), proc.stdout  # fmt: skip

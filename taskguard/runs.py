@@ -1,0 +1,435 @@
+"""A guarded run for any task framework: the protocol every integration but Celery's
+follows (django.tasks, Dramatiq, taskiq), and the conflict decisions they share.
+
+An integration supplies only what its framework knows: the task's options and
+arguments (:meth:`GuardSpec.of`, :meth:`GuardSpec.key`), the job id, and its
+:class:`Actions` (how to hand back a skipped result, run a job again later, answer
+a duplicate enqueue with the queued job). The core decides the rest: which action
+each ``on_conflict`` mode takes, at enqueue and in the run, and its log line; the
+queue lease an enqueue takes and the run adopts (:func:`enqueue_locked`); the lease
+held, renewed and given back around the body (:class:`GuardedRun`); the record a
+finished job leaves so that another delivery of it does not run again."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any, TypeVar
+
+from taskguard import signals
+from taskguard.companions import FINISHED_PREFIX
+from taskguard.config import guard_for, setting
+from taskguard.exceptions import AlreadyLocked, OutcomeUnknown
+from taskguard.guard import TaskGuard
+from taskguard.holding import Hold, Interrupter, enter_run, exit_run, release_when_reachable
+from taskguard.holding import valid_until as local_deadline
+from taskguard.keys import normalize_key, validate_ttl
+from taskguard.lease import Holder, Lease, LockInfo, Marker, describe_holder, skipped_result
+from taskguard.options import Conflict, Durations, Framework, GuardOptions, durations
+
+__all__ = [
+    "Actions",
+    "GuardSpec",
+    "GuardedRun",
+    "conflict_countdown",
+    "enqueue_locked",
+    "report_conflict",
+]
+
+log = logging.getLogger("taskguard.runs")
+
+T = TypeVar("T")
+
+#: How long a duplicate enqueue waits for the enqueue holding the key to name its
+#: job (``on_conflict="existing"``: it may be between its acquire and its publish).
+JOB_ID_WAIT = 5.0
+#: The shortest countdown of a conflict retry.
+MIN_RETRY_COUNTDOWN = 0.5
+
+
+def conflict_countdown(configured: float | None, holder: LockInfo | None) -> float:
+    """Countdown of a conflict retry: ``retry_countdown`` if given, else the time left
+    on the holder's lease, with jitter so that duplicates do not all come back at once."""
+    if configured is not None:
+        return configured
+    left = holder.expires_in.total_seconds() if holder is not None else 0.0
+    return max(MIN_RETRY_COUNTDOWN, left) * random.uniform(1.0, 1.2)
+
+
+#: The log line of each conflict action (``{what}``: the task and its id).
+_SAID = {
+    Conflict.SKIP: "skipped {what}: lock {key!r} is held by {who}",
+    Conflict.RAISE: "refused {what}: lock {key!r} is held by {who}",
+    Conflict.RETRY: "retrying {what} in {countdown:.1f}s: lock {key!r} is held by {who}",
+    Conflict.EXISTING: "not enqueued {what}: lock {key!r} is held by {who}; answering with it",
+}
+
+
+def report_conflict(
+    action: Conflict,
+    task: str,
+    task_id: str | None,
+    key: str,
+    holder: LockInfo | None,
+    *,
+    sender: Any = None,
+    countdown: float = 0.0,
+    waited: float | None = None,
+) -> None:
+    """Log a conflict (the key and who holds it) and send
+    :data:`~taskguard.signals.lock_conflict` (``sender``: the integration's task
+    object, else the task's name)."""
+    what = f"{task}[{task_id}]" + (f" after waiting {waited:.1f}s" if waited else "")
+    who = describe_holder(holder)
+    log.warning(_SAID[action].format(what=what, key=key, who=who, countdown=countdown))
+    extra = {} if waited is None else {"waited": waited}
+    signals.lock_conflict.send(
+        sender=task if sender is None else sender, key=key, holder=holder, action=action, **extra
+    )
+
+
+class Actions:
+    """What a framework does about a conflict; the core picks the action. Override
+    what the framework can do (what it cannot is refused at declaration through its
+    :class:`~taskguard.options.Framework`)."""
+
+    def skip(self, value: dict[str, Any], error: AlreadyLocked) -> Any:
+        """The job does not run: return what it returns (``value``: the skipped
+        marker), or raise ``error`` where the framework has no such value."""
+        return value
+
+    def can_retry(self) -> bool:
+        """Whether this job can be run again later (else ``on_conflict="retry"`` skips)."""
+        return True
+
+    def retry(self, countdown: float, error: AlreadyLocked) -> Any:
+        """Run the job again in ``countdown`` seconds: raise the framework's retry, or
+        enqueue a copy and return what the job returns."""
+        raise error
+
+    def existing(self, job_id: str) -> Any:
+        """At enqueue: answer a duplicate with the queued job ``job_id``'s handle."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class GuardSpec:
+    """A guarded task: its name, the core's options and, for frameworks that pass one
+    (django.tasks' context), whether the first argument is left out of the key."""
+
+    name: str
+    opts: GuardOptions
+    skip_first: bool = False
+
+    @classmethod
+    def of(
+        cls,
+        func: Callable[..., Any],
+        framework: Framework,
+        options: Mapping[str, Any],
+        *,
+        name: str | None = None,
+        skip_first: bool = False,
+    ) -> GuardSpec:
+        """``func``'s options checked at declaration (one message per refusal)."""
+        name = name or f"{func.__module__}.{func.__qualname__}"
+        signature = inspect.signature(func)
+        if skip_first:
+            signature = signature.replace(parameters=list(signature.parameters.values())[1:])
+        return cls(name, GuardOptions.build(name, signature, framework, **options), skip_first)
+
+    def key(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+        """The lock key of a call with these arguments."""
+        return self.opts.deriver.derive(args[1:] if self.skip_first else args, dict(kwargs))
+
+    def durations(self, app: Any) -> Durations:
+        """The lease lengths and wait; ``app``: the settings taskguard.config reads."""
+        return durations(self.opts, lambda name: setting(app, name))
+
+
+def _finished_record(app: Any, task_id: str | None) -> Marker | None:
+    # The record a finished job leaves (taskguard_finished_retention; 0: none).
+    retention = setting(app, "taskguard_finished_retention")
+    if task_id is None or retention in (0, None):
+        return None
+    key = normalize_key(f"{FINISHED_PREFIX}{task_id}")
+    return Marker(key, validate_ttl(retention, name="taskguard_finished_retention"))
+
+
+class GuardedRun(Hold):
+    """One execution of a guarded job: takes its lease (or adopts the one its enqueue
+    took), acts on a conflict, renews while the body runs, gives the lease back after.
+
+    ``task_id``: the job's id (its enqueue's lease names it; with ``redelivers`` the
+    finished record is keyed by it). ``redelivers``: the framework may deliver a job
+    again after it finished (at-least-once brokers): a finished job leaves a record
+    for ``taskguard_finished_retention`` and a later delivery of it does not run."""
+
+    def __init__(
+        self,
+        spec: GuardSpec,
+        app: Any,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        *,
+        task_id: str | None = None,
+        actions: Actions | None = None,
+        redelivers: bool = False,
+        guard: TaskGuard | None = None,
+    ) -> None:
+        super().__init__(guard or guard_for(app), spec.key(args, kwargs), None, None)
+        self.spec, self.app, self.task_id = spec, app, task_id
+        self.name = self.sender = spec.name
+        self.actions = actions or Actions()
+        self.finished = _finished_record(app, task_id) if redelivers else None
+        #: What the job returns when :meth:`begin` says the body must not run.
+        self.outcome: Any = None
+        self._token: Any = None
+
+    # -- the protocol -----------------------------------------------------------------
+
+    def begin(self) -> bool:
+        """Take the lease; ``False`` when the body must not run (:attr:`outcome` is
+        then what the job returns). Raises what the conflict action raises."""
+        opts, guard = self.spec.opts, self.guard
+        times = self.spec.durations(self.app)
+        lease = self._adopt(times.ttl) if opts.locks_queue else None
+        if not opts.locks_run:  # the queue lease ends as the run starts
+            if lease is not None:
+                guard.release(lease)
+            return True
+        if lease is None:
+            unless = self.finished.key if self.finished is not None else None
+            lease, holder = guard.try_acquire(
+                self.key, times.ttl, wait=times.wait_timeout, task_name=self.name,
+                task_id=self.task_id, unless=unless, **opts.acquire_options,
+            )  # fmt: skip
+            if lease is None:
+                self.outcome = self._conflict(holder, times)
+                return False
+        self.lease, self.valid_until = lease, local_deadline(lease)
+        self.start_renewing()
+        return True
+
+    def enter(self) -> None:
+        """Make this the context's run (``check_lease()``/``current_lease()``); on the
+        main thread of a sync job, arm ``stop_on_lease_loss``."""
+        self._token = enter_run(self)
+        if self.lease is not None and self.spec.opts.stop_on_lease_loss:
+            self.interrupter = Interrupter(self.name).arm()
+
+    def exit(self, final: bool = True) -> None:
+        """Give the lease back (once: a second call does nothing). ``final``: the job
+        will not run again (it returned, or failed for good), so its finished record
+        is taken with the release."""
+        if self.interrupter is not None:
+            self.interrupter.disarm()
+            self.interrupter = None
+        if self._token is not None:
+            exit_run(self._token)
+            self._token = None
+        lease, self.lease = self.lease, None
+        if lease is None:
+            return
+        self.stop_renewing()
+        marker = self.finished if final else None
+        if marker is not None:
+            holder = Holder(self.guard.hostname, self.name, self.task_id)
+            marker = marker._replace(holder=holder)
+        if not self.guard.release(lease, marker=marker):
+            log.warning("task %s[%s]: lease on %r had expired or been taken over at release",
+                        self.name, self.task_id, self.key)  # fmt: skip
+
+    def run(self, body: Callable[[], T]) -> T | Any:
+        """The whole protocol around a sync ``body``."""
+        if not self.begin():
+            return self.outcome
+        self.enter()
+        try:
+            return body()
+        finally:
+            self.exit()  # disarms first: nothing interrupts the release
+
+    # -- asyncio: each statement on a thread, never on the event loop ----------------
+
+    async def abegin(self) -> bool:
+        """:meth:`begin` off the event loop. Cancelled meanwhile: a lease it got is
+        given back before the cancellation goes on."""
+        began, cancelled = await _on_thread(self.begin)
+        if cancelled:
+            if began:
+                await _on_thread(self.exit)
+            raise asyncio.CancelledError
+        if began:
+            self._token = enter_run(self)  # the body's context; no interrupter
+        return bool(began)
+
+    async def aexit(self, final: bool = True) -> None:
+        """:meth:`exit` off the event loop (completes even when cancelled, then re-raises)."""
+        if self._token is not None:
+            exit_run(self._token)
+            self._token = None
+        if (await _on_thread(lambda: self.exit(final)))[1]:
+            raise asyncio.CancelledError
+
+    async def arun(self, body: Callable[[], Awaitable[T]]) -> T | Any:
+        """The whole protocol around an async ``body``."""
+        if not await self.abegin():
+            return self.outcome
+        try:
+            return await body()
+        finally:
+            await self.aexit()
+
+    # -- inside ------------------------------------------------------------------------
+
+    def _adopt(self, ttl: float) -> Lease | None:
+        # The lease the enqueue took for this job (its holder names the job, or no job
+        # yet: the enqueue names it once the framework gave it an id).
+        if self.task_id is None:
+            return None
+        mine = [
+            r
+            for r in self.guard.get_all(self.key)
+            if r.held
+            and r.holder.task_name == self.name
+            and r.holder.task_id in (None, self.task_id)
+        ]
+        if not mine:
+            return None
+        return self.guard.adopt(
+            self.key, mine[0].owner, ttl, slot=mine[0].slot, exclusive=True,
+            task_name=self.name, task_id=self.task_id,
+        )  # fmt: skip
+
+    def _conflict(self, holder: LockInfo | None, times: Durations) -> Any:
+        if self.finished is not None and holder is not None and holder.key == self.finished.key:
+            log.warning("dropped a late copy of finished %s[%s] (lock %r): a run of this "
+                        "job id already finished", self.name, self.task_id, self.key)  # fmt: skip
+            signals.late_copy_dropped.send(sender=self.name, key=self.key, task_id=self.task_id)
+            return self.actions.skip(self._skipped(holder), AlreadyLocked(self.key, holder))
+        mode = self.spec.opts.conflict
+        waited = times.wait_timeout if mode is Conflict.WAIT else None
+        if mode is Conflict.RAISE:
+            report_conflict(mode, self.name, self.task_id, self.key, holder, waited=waited)
+            raise AlreadyLocked(self.key, holder)
+        if mode is Conflict.RETRY and not self.actions.can_retry():
+            log.warning("task %s[%s] cannot be run again later (on_conflict='retry'): skipping",
+                        self.name, self.task_id)  # fmt: skip
+        elif mode is Conflict.RETRY:
+            countdown = conflict_countdown(self.spec.opts.retry_countdown, holder)
+            report_conflict(mode, self.name, self.task_id, self.key, holder, countdown=countdown)
+            return self.actions.retry(countdown, AlreadyLocked(self.key, holder))
+        report_conflict(Conflict.SKIP, self.name, self.task_id, self.key, holder, waited=waited)
+        return self.actions.skip(self._skipped(holder), AlreadyLocked(self.key, holder))
+
+    def _skipped(self, holder: LockInfo | None) -> dict[str, Any]:
+        return skipped_result(
+            task=self.name, task_id=self.task_id, key=self.key, phase="run", holder=holder
+        )
+
+
+def enqueue_locked(
+    spec: GuardSpec,
+    app: Any,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    publish: Callable[[], T],
+    *,
+    job_id: Callable[[T], str],
+    actions: Actions | None = None,
+    task_id: str | None = None,
+    guard: TaskGuard | None = None,
+) -> T | Any:
+    """Enqueue a ``lock="queue"``/``"queue_and_run"`` job: take its key for
+    ``queue_ttl``, then ``publish()``; the job's run adopts the lease. A duplicate is
+    not published: ``skip`` returns ``actions.skip(marker)``, ``existing`` answers with
+    the queued job (``actions.existing``), ``retry`` calls ``actions.retry`` (enqueue a
+    copy later), any other mode raises :class:`~taskguard.AlreadyLocked`.
+
+    ``task_id``: the job's id if known before publishing (the lease names it at
+    once); else ``job_id(handle)`` names it after. A failed publish gives the lease
+    back; an acquire whose outcome is unknown is given back once the database answers."""
+    actions = actions or Actions()
+    guard = guard or guard_for(app)
+    key, ttl = spec.key(args, kwargs), spec.durations(app).queue_ttl
+    try:
+        lease, holder = guard.try_acquire(
+            key, ttl, task_name=spec.name, task_id=task_id, **spec.opts.acquire_options
+        )
+    except OutcomeUnknown as exc:  # it may land later: given back once the database answers
+        now = datetime.now(timezone.utc)
+        maybe = Lease(key, exc.owner, 0, now, now + timedelta(seconds=ttl), ttl)
+        release_when_reachable(guard, [maybe], f"{spec.name}: enqueue failed", landing=True)
+        raise
+    if lease is None:
+        return _duplicate(spec, guard, key, holder, actions, task_id)
+    try:
+        handle = publish()
+    except BaseException:
+        guard.release(lease)
+        raise
+    if task_id is None:  # name the job on its lease (None: its run already adopted it)
+        guard.adopt(key, lease.owner, ttl, slot=lease.slot, exclusive=True,
+                    task_name=spec.name, task_id=job_id(handle))  # fmt: skip
+    return handle
+
+
+def _duplicate(
+    spec: GuardSpec,
+    guard: TaskGuard,
+    key: str,
+    holder: LockInfo | None,
+    actions: Actions,
+    task_id: str | None,
+) -> Any:
+    mode = spec.opts.conflict
+    if mode is Conflict.EXISTING:
+        deadline = time.monotonic() + JOB_ID_WAIT  # the holder may not have named its job yet
+        while holder is not None and holder.holder.task_id is None:
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+            holder = next((r for r in guard.get_all(key) if r.held), None)
+        job = holder.holder.task_id if holder is not None else None
+        if job is not None:
+            report_conflict(mode, spec.name, task_id, key, holder)
+            return actions.existing(job)
+        mode = Conflict.SKIP  # nothing queued to point at
+    refused = AlreadyLocked(
+        key,
+        holder,
+        f"task {spec.name}: not enqueued: a job for lock {key!r} is already queued or "
+        f"running ({describe_holder(holder)})",
+    )
+    if mode is Conflict.SKIP:
+        report_conflict(mode, spec.name, task_id, key, holder)
+        marker = skipped_result(
+            task=spec.name, task_id=task_id, key=key, phase="queue", holder=holder
+        )
+        return actions.skip(marker, refused)
+    if mode is Conflict.RETRY:
+        countdown = conflict_countdown(spec.opts.retry_countdown, holder)
+        report_conflict(mode, spec.name, task_id, key, holder, countdown=countdown)
+        return actions.retry(countdown, refused)
+    report_conflict(Conflict.RAISE, spec.name, task_id, key, holder)
+    raise refused
+
+
+async def _on_thread(call: Callable[[], Any]) -> tuple[Any, bool]:
+    """``call()`` on a thread, and whether the coroutine was cancelled meanwhile: the
+    statement on the thread outlives a cancellation, so it is waited for."""
+    done = asyncio.ensure_future(asyncio.to_thread(call))
+    cancelled = False
+    while not done.done():
+        try:
+            await asyncio.wait([done])
+        except asyncio.CancelledError:
+            cancelled = True
+    return done.result(), cancelled
