@@ -38,6 +38,7 @@ __all__ = [
     "GuardSpec",
     "GuardedRun",
     "conflict_countdown",
+    "conflict_line",
     "enqueue_locked",
     "report_conflict",
 ]
@@ -71,6 +72,22 @@ _SAID = {
 }
 
 
+def conflict_line(
+    action: Conflict,
+    task: str,
+    task_id: str | None,
+    key: str,
+    holder: LockInfo | None,
+    *,
+    countdown: float = 0.0,
+    waited: float | None = None,
+) -> str:
+    """The log line of a conflict: what was done to which job, the key and who holds it."""
+    what = f"{task}[{task_id}]" + (f" after waiting {waited:.1f}s" if waited else "")
+    who = describe_holder(holder)
+    return _SAID[action].format(what=what, key=key, who=who, countdown=countdown)
+
+
 def report_conflict(
     action: Conflict,
     task: str,
@@ -78,20 +95,15 @@ def report_conflict(
     key: str,
     holder: LockInfo | None,
     *,
-    sender: Any = None,
     countdown: float = 0.0,
     waited: float | None = None,
 ) -> None:
-    """Log a conflict (the key and who holds it) and send
-    :data:`~taskguard.signals.lock_conflict` (``sender``: the integration's task
-    object, else the task's name)."""
-    what = f"{task}[{task_id}]" + (f" after waiting {waited:.1f}s" if waited else "")
-    who = describe_holder(holder)
-    log.warning(_SAID[action].format(what=what, key=key, who=who, countdown=countdown))
+    """Log a conflict (:func:`conflict_line`) and send
+    :data:`~taskguard.signals.lock_conflict` (its sender: the task's name)."""
+    log.warning(conflict_line(action, task, task_id, key, holder, countdown=countdown,
+                              waited=waited))  # fmt: skip
     extra = {} if waited is None else {"waited": waited}
-    signals.lock_conflict.send(
-        sender=task if sender is None else sender, key=key, holder=holder, action=action, **extra
-    )
+    signals.lock_conflict.send(sender=task, key=key, holder=holder, action=action, **extra)
 
 
 class Actions:

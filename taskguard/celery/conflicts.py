@@ -30,11 +30,12 @@ import logging
 from typing import Any, ClassVar
 
 from taskguard import signals
-from taskguard.celery.deferral import conflict_countdown, defer, poll_countdown
+from taskguard.celery.deferral import defer, poll_countdown
 from taskguard.celery.message import Header, Submission, in_canvas, is_shortened
 from taskguard.exceptions import AlreadyLocked
 from taskguard.lease import LockInfo, describe_holder, skipped_result
 from taskguard.options import Conflict
+from taskguard.runs import conflict_countdown, conflict_line
 
 __all__ = ["ACTIONS", "RETRY", "SKIP", "Strategy"]
 
@@ -71,27 +72,14 @@ class Strategy:
         value = skipped_result(
             task=task.name, task_id=task_id, key=key, phase="queue", holder=holder
         )
-        log.warning(
-            "skipped %s[%s]: lock %r is held by %s%s",
-            task.name,
-            task_id,
-            key,
-            describe_holder(holder),
-            "; publishing its skipped marker for the canvas" if in_canvas(sub.options) else "",
-        )
+        canvas = "; publishing its skipped marker for the canvas" if in_canvas(sub.options) else ""
+        log.warning(conflict_line(Conflict.SKIP, task.name, task_id, key, holder) + canvas)
         return sub.answer(value)
 
     def at_run(self, run: Any, holder: LockInfo | None, waited: float | None) -> Any:
         """Return the run's result, or raise (skip: the skipped marker)."""
         task, request, key = run.task, run.request, run.key
-        log.warning(
-            "skipped %s[%s]%s: lock %r is held by %s",
-            task.name,
-            request.id,
-            f" after waiting {waited:.1f}s" if waited is not None else "",
-            key,
-            describe_holder(holder),
-        )
+        log.warning(conflict_line(Conflict.SKIP, task.name, request.id, key, holder, waited=waited))
         return skipped_result(
             task=task.name, task_id=request.id, key=key, phase="run", holder=holder
         )
@@ -109,8 +97,7 @@ class Raise(Strategy):
         return self._refuse(run.task, run.request.id, run.key, holder)
 
     def _refuse(self, task: Any, task_id: Any, key: str, holder: LockInfo | None) -> Any:
-        described = describe_holder(holder)
-        log.warning("refused %s[%s]: lock %r is held by %s", task.name, task_id, key, described)
+        log.warning(conflict_line(Conflict.RAISE, task.name, task_id, key, holder))
         raise AlreadyLocked(key, holder)
 
 
@@ -125,14 +112,10 @@ class Retry(Strategy):
     def at_enqueue(self, sub: Submission, holder: LockInfo | None) -> Any:
         task, key = sub.task, sub.key
         countdown = conflict_countdown(task.taskguard_options.retry_countdown, holder)
-        log.warning(
-            "deferring %s[%s] by %.1fs: lock %r is held by %s",
-            task.name,
-            sub.task_id,
-            countdown,
-            key,
-            describe_holder(holder),
+        line = conflict_line(
+            Conflict.RETRY, task.name, sub.task_id, key, holder, countdown=countdown
         )
+        log.warning(line)
         sub.options.pop("eta", None)
         sub.options["countdown"] = countdown
         return sub.publish(Header(key, deferred=True))
@@ -142,15 +125,10 @@ class Retry(Strategy):
         countdown = conflict_countdown(opts.retry_countdown, holder)
         if not opts.locks_run:  # lock="queue": the retry is checked again, like a deferral
             run.deferred = True
-        log.warning(
-            "retrying %s[%s] in %.1fs (%s): lock %r is held by %s",
-            task.name,
-            request.id,
-            countdown,
-            f"retry {request.retries + 1}",
-            key,
-            describe_holder(holder),
+        line = conflict_line(
+            Conflict.RETRY, task.name, request.id, key, holder, countdown=countdown
         )
+        log.warning(f"{line} (retry {request.retries + 1})")
         raise task.retry(countdown=countdown, exc=AlreadyLocked(key, holder))
 
 
@@ -171,12 +149,7 @@ class Existing(Strategy):
         assert holder is not None  # held_at_enqueue: a holder with a task to point at
         if in_canvas(sub.options):
             return SKIP.at_enqueue(sub, holder)
-        log.warning(
-            "not publishing %s: lock %r is held by %s; returning its result",
-            sub.task.name,
-            sub.key,
-            describe_holder(holder),
-        )
+        log.warning(conflict_line(Conflict.EXISTING, sub.task.name, sub.task_id, sub.key, holder))
         return sub.task.AsyncResult(holder.holder.task_id)
 
 

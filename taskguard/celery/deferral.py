@@ -64,8 +64,6 @@ __all__ = [
     "FIRST_POLL",
     "MAX_DELAY",
     "MAX_POLL",
-    "MIN_RETRY_COUNTDOWN",
-    "conflict_countdown",
     "defer",
     "poll_countdown",
     "publish_delay",
@@ -113,8 +111,6 @@ def defer(
 # -- countdowns --------------------------------------------------------------------------
 
 
-#: Shortest countdown for a conflict retry when the holder's lease ends sooner.
-MIN_RETRY_COUNTDOWN = 0.5
 #: First and longest countdown (seconds) of a deferred start re-checking a busy key.
 FIRST_POLL = 0.25
 MAX_POLL = 1.0
@@ -144,15 +140,6 @@ def retry_delay(countdown: Any, eta: Any, default: Any) -> float:
     if countdown is None:
         countdown = default
     return max(0.0, float(countdown or 0))
-
-
-def conflict_countdown(configured: float | None, holder: LockInfo | None) -> float:
-    """Countdown for a conflict retry: the configured one, else the time left on
-    the holder's lease, plus jitter so waiting duplicates do not all retry at once."""
-    if configured is not None:
-        return configured
-    left = holder.expires_in.total_seconds() if holder is not None else 0.0
-    return max(MIN_RETRY_COUNTDOWN, left) * random.uniform(1.0, 1.2)
 
 
 def poll_countdown(polls: int, holder: LockInfo | None) -> float:
