@@ -89,21 +89,13 @@ def conflict_line(
 
 
 def report_conflict(
-    action: Conflict,
-    task: str,
-    task_id: str | None,
-    key: str,
-    holder: LockInfo | None,
-    *,
-    countdown: float = 0.0,
-    waited: float | None = None,
+    action: Conflict, task: str, task_id: str | None, key: str, holder: LockInfo | None, **how: Any
 ) -> None:
-    """Log a conflict (:func:`conflict_line`) and send
+    """Log a conflict (:func:`conflict_line`, ``how``: its countdown or wait) and send
     :data:`~taskguard.signals.lock_conflict` (its sender: the task's name)."""
-    log.warning(conflict_line(action, task, task_id, key, holder, countdown=countdown,
-                              waited=waited))  # fmt: skip
-    extra = {} if waited is None else {"waited": waited}
-    signals.lock_conflict.send(sender=task, key=key, holder=holder, action=action, **extra)
+    log.warning(conflict_line(action, task, task_id, key, holder, **how))
+    waited = {"waited": how["waited"]} if how.get("waited") is not None else {}
+    signals.lock_conflict.send(sender=task, key=key, holder=holder, action=action, **waited)
 
 
 class Actions:
