@@ -11,12 +11,14 @@ granted) only when it fails, is slow, or is sampled. A lease lost, and a conflic
 an integration acts on, are span events on that span (see docs/tracing.md).
 
 Nothing is wrapped, and ``opentelemetry`` is not imported, until :func:`instrument`
-is called: uninstrumented, a run executes exactly the lines it would without it.
+is called with a tracer provider set: until then a run executes exactly the lines it
+would without this module.
 """
 
 from __future__ import annotations
 
 import contextvars
+import logging
 import random
 import threading
 import time
@@ -31,6 +33,8 @@ from taskguard.holding import active_run
 from taskguard.lease import Attempt, Lease, LockInfo
 
 __all__ = ["instrument", "uninstrument"]
+
+log = logging.getLogger("taskguard")
 
 #: TaskGuard's methods wrapped: each is where one lease operation happens. An outer
 #: one calling an inner one (try_acquire's ``_attempt`` -> ``take``, ``adopt`` ->
@@ -88,6 +92,13 @@ class _Tracing:
         self.sample_rate = renewal_sample_rate
         # A granted lease's owner id -> the span current when it was granted (a run's).
         self.parents: dict[str, Any] = {}
+
+    def recording(self, provider: Any) -> bool:
+        """Whether ``provider`` (None: the global one) is a real one, not the API's
+        stand-in before one is set (nor its no-op)."""
+        trace = self.trace
+        found = trace.get_tracer_provider() if provider is None else provider
+        return not isinstance(found, (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
 
     # -- spans ------------------------------------------------------------------------
 
@@ -296,13 +307,17 @@ def instrument(
     record_keys: bool = False,
     slow_renewal: float = 1.0,
     renewal_sample_rate: float = 0.0,
-) -> None:
+) -> bool:
     """Trace taskguard's lease operations with OpenTelemetry (``tracer_provider``:
     default the global one). ``record_keys=True`` adds ``taskguard.lock.key`` (off by
     default: keys can be many and can carry data). A renewal is a span when it fails,
     takes ``slow_renewal`` seconds or more, or is among ``renewal_sample_rate`` (0 to
-    1) of the others. Call again to change the settings. Raises
-    :class:`ConfigurationError` when opentelemetry-api is not installed."""
+    1) of the others. Call again to change the settings.
+
+    Returns ``False`` (and logs a warning) when there is no tracer provider to record
+    with (none given, and no global one set yet): then nothing is wrapped, so it
+    costs nothing; call it after setting one. Raises :class:`ConfigurationError`
+    when opentelemetry-api is not installed."""
     if not 0.0 <= renewal_sample_rate <= 1.0:
         raise ValueError(f"renewal_sample_rate must be from 0 to 1, got {renewal_sample_rate!r}")
     if not slow_renewal > 0:
@@ -310,6 +325,12 @@ def instrument(
     tracing = _Tracing(tracer_provider, record_keys, float(slow_renewal), renewal_sample_rate)
     with _lock:
         _restore()
+        if not tracing.recording(tracer_provider):
+            log.warning(
+                "taskguard.otel.instrument(): no tracer provider is set, so nothing is "
+                "traced; call it after setting one (or pass tracer_provider=)"
+            )
+            return False
         originals = {name: TaskGuard.__dict__[name] for name in _WRAPPED}
         names = vars(guard_module)  # guard.py's own reference to waiting.wait_for
         _state.update(originals=originals, wait_for=names["wait_for"], tracing=tracing)
@@ -318,6 +339,7 @@ def instrument(
         names["wait_for"] = tracing.waiting(names["wait_for"])
         for signal, receiver, name in tracing.receivers():
             signal.connect(receiver, weak=False, dispatch_uid=f"taskguard.otel.{name}")
+    return True
 
 
 def uninstrument() -> None:

@@ -176,9 +176,9 @@ def test_a_lost_lease_is_an_event_on_its_runs_span(traced: Any, sguard: TaskGuar
 
 def test_uninstrument_puts_everything_back() -> None:
     before = dict(vars(TaskGuard))
-    otel.instrument()
+    assert otel.instrument(tracer_provider=TracerProvider())
     assert TaskGuard.take is not before["take"]
-    otel.instrument()  # again: replaces, never wraps twice
+    otel.instrument(tracer_provider=TracerProvider())  # again: replaces, never wraps twice
     otel.uninstrument()
     assert {name: vars(TaskGuard)[name] for name in before} == before
     assert guard_module.wait_for is waiting.wait_for

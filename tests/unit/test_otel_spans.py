@@ -75,10 +75,27 @@ def test_bad_settings_are_refused(options: dict[str, Any], message: str) -> None
 
 
 def test_uninstrument_disconnects() -> None:
-    otel.instrument()
+    assert otel.instrument(tracer_provider=TracerProvider())
+    assert signals.lock_conflict.receivers
     otel.uninstrument()
     assert not signals.lock_conflict.receivers
     assert not signals.lease_lost.receivers
+
+
+def test_without_a_tracer_provider_nothing_is_wrapped() -> None:
+    code = (
+        "import logging, taskguard.otel\n"
+        "from taskguard.guard import TaskGuard\n"
+        "logging.basicConfig()\n"
+        "assert taskguard.otel.instrument() is False  # no global provider set\n"
+        "assert TaskGuard.take.__module__ == 'taskguard.guard'\n"
+        "from opentelemetry.trace import NoOpTracerProvider\n"
+        "assert taskguard.otel.instrument(tracer_provider=NoOpTracerProvider()) is False\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert "no tracer provider is set, so nothing is traced" in proc.stderr
 
 
 def test_nothing_imports_opentelemetry_or_wraps_unless_asked() -> None:
