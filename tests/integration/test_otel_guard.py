@@ -5,6 +5,7 @@ is an event on that span."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -172,6 +173,23 @@ def test_a_lost_lease_is_an_event_on_its_runs_span(traced: Any, sguard: TaskGuar
     assert event.attributes["error.type"] == "taskguard.exceptions.LeaseLost"
     assert event.attributes["taskguard.lock.token"] == lease.token
     assert not _named(exporter, "taskguard.lease_lost")  # no root span of its own
+
+
+def test_asyncio_calls_and_limits(traced: Any, sguard: TaskGuard) -> None:
+    exporter, provider = traced
+
+    async def main() -> None:
+        with provider.get_tracer("t").start_as_current_span("job"):
+            lease = await sguard.aacquire("a", 10, limit=2)  # on a lease thread
+            assert lease is not None
+            assert await sguard.arelease(lease)
+
+    asyncio.run(main())
+    (job,) = _named(exporter, "job")
+    acquire, release = (s for s in exporter.get_finished_spans() if s.name != "job")
+    assert _parent(acquire) == _parent(release) == job.context.span_id
+    assert acquire.attributes is not None and acquire.attributes["taskguard.lock.limit"] == 2
+    assert release.name == "taskguard.release"
 
 
 def test_uninstrument_puts_everything_back() -> None:
