@@ -6,6 +6,7 @@ is an event on that span."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -150,6 +151,16 @@ def test_renewals_only_when_they_fail_or_are_sampled(traced: Any, sguard: TaskGu
     again = sguard.acquire("r", 10)
     assert again is not None and sguard.renew(again)
     assert _named(exporter, "taskguard.renew")[-1].attributes["taskguard.lock.outcome"] == "renewed"
+    with sqlite3.connect(sguard.engine.url.database) as db:
+        db.execute("DROP TABLE task_locks")
+    with pytest.raises(Exception) as raised:
+        sguard.renew(again)
+    failed = _named(exporter, "taskguard.renew")[-1]
+    error = type(raised.value)
+    assert failed.attributes is not None
+    assert failed.attributes["error.type"] == f"{error.__module__}.{error.__qualname__}"
+    assert "taskguard.lock.outcome" not in failed.attributes
+    assert failed.status.status_code is StatusCode.ERROR
 
 
 def test_a_lost_lease_is_an_event_on_its_runs_span(traced: Any, sguard: TaskGuard) -> None:
