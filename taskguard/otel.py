@@ -25,8 +25,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from taskguard import __version__, signals
 from taskguard import guard as guard_module
-from taskguard import signals
 from taskguard.exceptions import ConfigurationError
 from taskguard.guard import TaskGuard
 from taskguard.holding import active_run
@@ -86,7 +86,7 @@ class _Tracing:
                 "taskguard.otel needs opentelemetry-api: pip install 'taskguard-sql[otel]'"
             ) from None
         self.trace = trace
-        self.tracer = trace.get_tracer("taskguard", tracer_provider=provider)
+        self.tracer = trace.get_tracer("taskguard", __version__, tracer_provider=provider)
         self.record_keys = record_keys
         self.slow_renewal = slow_renewal
         self.sample_rate = renewal_sample_rate
