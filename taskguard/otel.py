@@ -90,8 +90,9 @@ class _Tracing:
         self.record_keys = record_keys
         self.slow_renewal = slow_renewal
         self.sample_rate = renewal_sample_rate
-        # A granted lease's owner id -> the span current when it was granted (a run's).
-        self.parents: dict[str, Any] = {}
+        # A granted lease's owner id -> the span current when it was granted (a run's)
+        # and the attributes of that moment (its run's phase and strategy).
+        self.parents: dict[str, tuple[Any, dict[str, Any]]] = {}
 
     def recording(self, provider: Any) -> bool:
         """Whether ``provider`` (None: the global one) is a real one, not the API's
@@ -120,55 +121,63 @@ class _Tracing:
         key: str,
         extra: dict[str, Any],
         call: Callable[[], Any],
-        describe: Callable[[Any, Any], dict[str, Any]],
+        describe: Callable[[Any, Any, dict[str, Any]], dict[str, Any]],
     ) -> Any:
-        """``call()`` in a span ``name``; ``describe(result, parent span)``: the
-        attributes its result adds."""
+        """``call()`` in a span ``name``; ``describe(result, parent span, attributes
+        of the context)``: the attributes its result adds."""
         if _inside.get():
             return call()
         parent = self.trace.get_current_span()
+        found = self.attributes(key)
         token = _inside.set(True)
         try:
-            with self.tracer.start_as_current_span(
-                name, attributes={**self.attributes(key), **extra}
-            ) as span:
+            with self.tracer.start_as_current_span(name, attributes={**found, **extra}) as span:
                 try:
                     result = call()
                 except Exception as exc:
                     span.set_attribute("error.type", _error_type(exc))
                     raise
-                span.set_attributes(describe(result, parent))
+                span.set_attributes(describe(result, parent, found))
                 return result
         finally:
             _inside.reset(token)
 
-    def remember(self, lease: Lease | None, parent: Any) -> None:
-        """``parent`` is where ``lease``'s renewals and loss are recorded."""
-        if lease is None or not parent.get_span_context().is_valid:
+    def remember(self, lease: Lease | None, parent: Any, found: dict[str, Any]) -> None:
+        """``parent`` is where ``lease``'s renewals and loss are recorded; ``found``,
+        the attributes they share with its grant."""
+        if lease is None:
             return
         parents = self.parents
         if len(parents) >= _REMEMBERED:  # leases never given back (expired, handed on)
             for stale in list(parents)[: _REMEMBERED // 10]:  # the oldest
                 parents.pop(stale, None)
-        parents[lease.owner] = parent
+        parents[lease.owner] = (parent, found)
 
-    def acquired(self, attempt: Attempt, parent: Any) -> dict[str, Any]:
+    def of_lease(self, lease: Lease, forget: bool = False) -> tuple[Any, dict[str, Any]]:
+        """The span ``lease`` was granted under (None: not known) and the attributes
+        of its grant (the key's alone if not known)."""
+        found = self.parents.pop(lease.owner, None) if forget else self.parents.get(lease.owner)
+        return found or (None, self.attributes(lease.key))
+
+    def acquired(self, attempt: Attempt, parent: Any, found: dict[str, Any]) -> dict[str, Any]:
         lease, holder = attempt
-        self.remember(lease, parent)
-        found = _granted(lease, "granted", "refused")
-        if holder is not None:
-            found.update(_holder(holder))
-        return found
+        self.remember(lease, parent, found)
+        granted = _granted(lease, "granted", "refused")
+        return granted if holder is None else {**granted, **_holder(holder)}
 
-    def adopted(self, lease: Lease | None, parent: Any) -> dict[str, Any]:
-        self.remember(lease, parent)
+    def adopted(self, lease: Lease | None, parent: Any, found: dict[str, Any]) -> dict[str, Any]:
+        self.remember(lease, parent, found)
         return _granted(lease, "adopted", "lapsed")
 
-    def released(self, lease: Lease) -> Callable[[bool, Any], dict[str, Any]]:
-        def describe(ended: bool, _parent: Any) -> dict[str, Any]:
-            self.parents.pop(lease.owner, None)
+    def released(self, lease: Lease) -> Callable[[bool, Any, Any], dict[str, Any]]:
+        def describe(ended: bool, _parent: Any, _found: Any) -> dict[str, Any]:
+            granted = self.of_lease(lease, forget=True)[1]  # its run's, if released outside
             outcome = "released" if ended else "expired"
-            return {"taskguard.lock.outcome": outcome, "taskguard.lock.token": lease.token}
+            return {
+                **granted,
+                "taskguard.lock.outcome": outcome,
+                "taskguard.lock.token": lease.token,
+            }
 
         return describe
 
@@ -178,9 +187,9 @@ class _Tracing:
         took = (time.time_ns() - started) / 1e9
         if ended and took < self.slow_renewal and random.random() >= self.sample_rate:
             return
-        parent = self.parents.get(lease.owner)
+        parent, granted = self.of_lease(lease)
         context = self.trace.set_span_in_context(parent) if parent is not None else None
-        found = {**self.attributes(lease.key), "taskguard.lock.token": lease.token}
+        found = {**granted, "taskguard.lock.token": lease.token}
         if error is None:
             found["taskguard.lock.outcome"] = "renewed" if ended else "lost"
         if not ended:
@@ -224,7 +233,7 @@ class _Tracing:
             return self.span("taskguard.release", lease.key, {}, run, self.released(lease))
 
         def force_release_(guard: TaskGuard, key: str, *args: Any, **kwargs: Any) -> Any:
-            def describe(ended: bool, _parent: Any) -> dict[str, Any]:
+            def describe(ended: bool, _parent: Any, _found: Any) -> dict[str, Any]:
                 return {"taskguard.lock.outcome": "released" if ended else "not_held"}
 
             run = lambda: force_release(guard, key, *args, **kwargs)  # noqa: E731
@@ -279,13 +288,15 @@ class _Tracing:
         self, sender: Any = None, key: Any = None, lease: Any = None, **kwargs: Any
     ) -> None:
         """A lease lost: an event on the span it was granted under (the run's)."""
-        found = self.attributes(str(key))
-        found["error.type"] = "taskguard.exceptions.LeaseLost"
-        found["taskguard.lock.reason"] = str(kwargs.get("reason"))
-        if lease is not None:
-            found["taskguard.lock.token"] = lease.token
-        owner = getattr(lease, "owner", None)
-        parent = self.parents.pop(owner, None) if owner is not None else None
+        if not isinstance(lease, Lease):
+            return
+        parent, granted = self.of_lease(lease, forget=True)
+        found = {
+            **granted,
+            "error.type": "taskguard.exceptions.LeaseLost",
+            "taskguard.lock.reason": str(kwargs.get("reason")),
+            "taskguard.lock.token": lease.token,
+        }
         if parent is not None and parent.is_recording():
             parent.add_event("taskguard.lock.lost", found)
             return

@@ -57,7 +57,7 @@ def test_a_lost_lease_not_granted_under_a_span_is_a_span_of_its_own(spans: Any) 
     assert lost.name == "taskguard.lease_lost"
     assert lost.attributes is not None
     assert lost.attributes["error.type"] == "taskguard.exceptions.LeaseLost"
-    assert lost.attributes["taskguard.lock.key"] == "k"
+    assert lost.attributes["taskguard.lock.key"] == "feed:x"  # the lease's
     assert lost.attributes["taskguard.lock.token"] == 3
 
 

@@ -38,6 +38,7 @@ print(json.dumps([
         "id": s.context.span_id,
         "parent": s.parent.span_id if s.parent else None,
         "attributes": dict(s.attributes or {}),
+        "events": {e.name: dict(e.attributes or {}) for e in s.events},
     }
     for s in exporter.get_finished_spans()
 ]))  # fmt: skip

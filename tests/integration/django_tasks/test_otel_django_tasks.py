@@ -39,15 +39,21 @@ def test_guarded_runs_spans_nest(tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     spans = json.loads(proc.stdout.splitlines()[-1])
+    in_run = {"taskguard.lock.phase": "run", "taskguard.lock.strategy": "skip"}
     acquire, release = _children(spans, "run/ran")
     assert (acquire["name"], release["name"]) == ("taskguard.acquire", "taskguard.release")
-    assert acquire["attributes"]["taskguard.lock.outcome"] == "granted"
-    assert release["attributes"]["taskguard.lock.outcome"] == "released"
-    assert (
-        release["attributes"]["taskguard.lock.token"]
-        == acquire["attributes"]["taskguard.lock.token"]
-    )
+    token = acquire["attributes"]["taskguard.lock.token"]
+    assert acquire["attributes"] == {
+        **in_run, "taskguard.lock.limit": 1, "taskguard.lock.outcome": "granted",
+        "taskguard.lock.token": token,
+    }  # fmt: skip
+    assert release["attributes"] == {
+        **in_run, "taskguard.lock.outcome": "released", "taskguard.lock.token": token
+    }  # fmt: skip
     (refused,) = _children(spans, "run/refused")
     assert refused["name"] == "taskguard.acquire"
     assert refused["attributes"]["taskguard.lock.outcome"] == "refused"
     assert refused["attributes"]["taskguard.lock.holder.task_name"] == "someone.else"
+    assert refused["attributes"]["taskguard.lock.phase"] == "run"
+    (run,) = [s for s in spans if s["name"] == "run/refused"]
+    assert run["events"]["taskguard.lock.conflict"] == in_run  # what the run did about it
