@@ -102,6 +102,7 @@ def test_lock_events_in_traced_worker_and_publisher(pg_url: str, tmp_path: Path)
     }  # no taskguard.lock.key: only with instrument(record_keys=True)
     released = _child(worker_spans, ran, "taskguard.release")["attributes"]
     assert released["taskguard.lock.outcome"] == "released"
+    assert released["taskguard.lock.strategy"] == "skip"  # the grant's
     assert released["taskguard.lock.token"] == acquired["taskguard.lock.token"]
     refusal = _child(worker_spans, refused, "taskguard.acquire")["attributes"]
     assert refusal["taskguard.lock.outcome"] == "refused"
