@@ -7,8 +7,9 @@ its wait, ``adopt``/``take_over``, ``give_back``/``release``, ``renew`` and
 the call: a Celery run's ``run/<task>`` (opentelemetry-instrumentation-celery), a
 django.tasks run's, the publisher's at ``delay()``. A renewal runs on the process's
 renewer thread: it is a span (a child of the span current when the lease was
-granted) only when it fails, is slow, or is sampled. A lease lost, and a conflict
-an integration acts on, are span events on that span (see docs/tracing.md).
+granted) only when it fails, is slow, or is sampled. A lease lost is an event on
+that span; a conflict an integration acts on (the ``lock_conflict`` signal), an
+event on the current span (docs/tracing.md lists names and attributes).
 
 Nothing is wrapped, and ``opentelemetry`` is not imported, until :func:`instrument`
 is called with a tracer provider set: until then a run executes exactly the lines it
