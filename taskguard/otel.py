@@ -1,44 +1,85 @@
 """OpenTelemetry for taskguard (optional: ``pip install 'taskguard-sql[otel]'``).
 
-:func:`instrument` connects receivers to taskguard's signals (taskguard.signals) and
-turns each into a span event on the current span: inside a Celery task run traced by
-opentelemetry-instrumentation-celery that is the task's ``run/<task>`` span; on the
-publishing side whatever span is current there. With no recording span current, a
-short span of its own is made instead (``taskguard.acquire``, ``taskguard.release``,
-``taskguard.renew``), so nothing is dropped. A run of ``on_conflict="wait"`` refused
-after waiting gets a ``taskguard.wait`` span covering the wait. Nothing imports
-``opentelemetry`` until :func:`instrument` is called, and with no receiver
-connected the signals are not even sent: uninstrumented, this costs nothing.
+:func:`instrument` wraps the places where every lease operation happens, whichever
+integration asks for it (:class:`~taskguard.TaskGuard`'s ``take``/``try_acquire``,
+its wait, ``adopt``/``take_over``, ``give_back``/``release``, ``renew`` and
+``force_release``), so each becomes a timed span, a child of the span current at
+the call: a Celery run's ``run/<task>`` (opentelemetry-instrumentation-celery), a
+django.tasks run's, the publisher's at ``delay()``. A renewal runs on the process's
+renewer thread: it is a span (a child of the span current when the lease was
+granted) only when it fails, is slow, or is sampled. A lease lost is an event on
+that span; a conflict an integration acts on (the ``lock_conflict`` signal), an
+event on the current span (docs/tracing.md lists names and attributes).
+
+Nothing is wrapped, and ``opentelemetry`` is not imported, until :func:`instrument`
+is called with a tracer provider set: until then a run executes exactly the lines it
+would without this module.
 """
 
 from __future__ import annotations
 
+import contextvars
+import logging
+import random
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
-from taskguard import signals
+from taskguard import __version__, signals
+from taskguard import guard as guard_module
 from taskguard.exceptions import ConfigurationError
+from taskguard.guard import TaskGuard
+from taskguard.holding import active_run
+from taskguard.lease import Attempt, Lease, LockInfo
 
 __all__ = ["instrument", "uninstrument"]
 
-#: Span event names, and the span made instead when no recording span is current.
-_NAMES = {
-    "acquired": "taskguard.acquire",
-    "refused": "taskguard.acquire",
-    "released": "taskguard.release",
-    "lost": "taskguard.renew",
-}
+log = logging.getLogger("taskguard")
+
+#: TaskGuard's methods wrapped: each is where one lease operation happens. An outer
+#: one calling an inner one (try_acquire's ``_attempt`` -> ``take``, ``adopt`` ->
+#: ``take_over``) makes one span.
+_WRAPPED = ("take", "_attempt", "adopt", "take_over", "give_back", "force_release", "renew")
+#: How many granted leases remember their parent span (for renewals and losses).
+_REMEMBERED = 10_000
 
 _lock = threading.Lock()
-# The process's current receivers (a dict, so no `global` statement is needed).
-_state: dict[str, _Recorder] = {}
+# The process's current instrumentation (a dict, so no `global` statement is needed).
+_state: dict[str, Any] = {}
+# Set inside a wrapped operation: a wrapped method it calls makes no span of its own.
+_inside: contextvars.ContextVar[bool] = contextvars.ContextVar("taskguard_otel", default=False)
 
 
-class _Recorder:
-    """The signal receivers, recording with ``tracer``."""
+def _error_type(exc: BaseException) -> str:
+    return f"{type(exc).__module__}.{type(exc).__qualname__}"
 
-    def __init__(self, tracer_provider: Any, record_keys: bool) -> None:
+
+def _holder(info: LockInfo) -> dict[str, Any]:
+    """The holder of a refusal, as span attributes (those known)."""
+    who = info.holder
+    found = {
+        "taskguard.lock.holder.task_name": who.task_name,
+        "taskguard.lock.holder.task_id": who.task_id,
+        "taskguard.lock.holder.host": who.hostname,
+        "taskguard.lock.holder.pid": who.pid,
+        "taskguard.lock.holder.token": info.token,
+    }
+    return {name: value for name, value in found.items() if value is not None}
+
+
+def _granted(lease: Lease | None, outcome: str, otherwise: str) -> dict[str, Any]:
+    if lease is None:
+        return {"taskguard.lock.outcome": otherwise}
+    return {"taskguard.lock.outcome": outcome, "taskguard.lock.token": lease.token}
+
+
+class _Tracing:
+    """The wrappers and signal receivers of one :func:`instrument` call."""
+
+    def __init__(
+        self, provider: Any, record_keys: bool, slow_renewal: float, renewal_sample_rate: float
+    ) -> None:
         try:
             from opentelemetry import trace
         except ImportError:
@@ -46,119 +87,285 @@ class _Recorder:
                 "taskguard.otel needs opentelemetry-api: pip install 'taskguard-sql[otel]'"
             ) from None
         self.trace = trace
-        self.tracer = trace.get_tracer("taskguard", tracer_provider=tracer_provider)
+        self.tracer = trace.get_tracer("taskguard", __version__, tracer_provider=provider)
         self.record_keys = record_keys
+        self.slow_renewal = slow_renewal
+        self.sample_rate = renewal_sample_rate
+        # A granted lease's owner id -> the span current when it was granted (a run's)
+        # and the attributes of that moment (its run's phase and strategy).
+        self.parents: dict[str, tuple[Any, dict[str, Any]]] = {}
 
-    def _pairs(self) -> list[tuple[Any, Any, str]]:
+    def recording(self, provider: Any) -> bool:
+        """Whether ``provider`` (None: the global one) is a real one, not the API's
+        stand-in before one is set (nor its no-op)."""
+        trace = self.trace
+        found = trace.get_tracer_provider() if provider is None else provider
+        return not isinstance(found, (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
+
+    # -- spans ------------------------------------------------------------------------
+
+    def attributes(self, key: str) -> dict[str, Any]:
+        """The key (if asked for), and the phase and strategy of the guarded run
+        executing here (an integration's run: :func:`taskguard.holding.enter_run`)."""
+        found: dict[str, Any] = {"taskguard.lock.key": key} if self.record_keys else {}
+        run = active_run()
+        if run is not None:
+            found["taskguard.lock.phase"] = "run"
+            opts = getattr(run, "opts", None) or getattr(getattr(run, "spec", None), "opts", None)
+            if opts is not None:
+                found["taskguard.lock.strategy"] = str(opts.conflict)
+        return found
+
+    def span(
+        self,
+        name: str,
+        key: str,
+        extra: dict[str, Any],
+        call: Callable[[], Any],
+        describe: Callable[[Any, Any, dict[str, Any]], dict[str, Any]],
+    ) -> Any:
+        """``call()`` in a span ``name``; ``describe(result, parent span, attributes
+        of the context)``: the attributes its result adds."""
+        if _inside.get():
+            return call()
+        parent = self.trace.get_current_span()
+        found = self.attributes(key)
+        token = _inside.set(True)
+        try:
+            with self.tracer.start_as_current_span(name, attributes={**found, **extra}) as span:
+                try:
+                    result = call()
+                except Exception as exc:
+                    span.set_attribute("error.type", _error_type(exc))
+                    raise
+                span.set_attributes(describe(result, parent, found))
+                return result
+        finally:
+            _inside.reset(token)
+
+    def remember(self, lease: Lease | None, parent: Any, found: dict[str, Any]) -> None:
+        """``parent`` is where ``lease``'s renewals and loss are recorded; ``found``,
+        the attributes they share with its grant."""
+        if lease is None:
+            return
+        parents = self.parents
+        if len(parents) >= _REMEMBERED:  # leases never given back (expired, handed on)
+            for stale in list(parents)[: _REMEMBERED // 10]:  # the oldest
+                parents.pop(stale, None)
+        parents[lease.owner] = (parent, found)
+
+    def of_lease(self, lease: Lease, forget: bool = False) -> tuple[Any, dict[str, Any]]:
+        """The span ``lease`` was granted under (None: not known) and the attributes
+        of its grant (the key's alone if not known)."""
+        found = self.parents.pop(lease.owner, None) if forget else self.parents.get(lease.owner)
+        return found or (None, self.attributes(lease.key))
+
+    def acquired(self, attempt: Attempt, parent: Any, found: dict[str, Any]) -> dict[str, Any]:
+        lease, holder = attempt
+        self.remember(lease, parent, found)
+        granted = _granted(lease, "granted", "refused")
+        return granted if holder is None else {**granted, **_holder(holder)}
+
+    def adopted(self, lease: Lease | None, parent: Any, found: dict[str, Any]) -> dict[str, Any]:
+        self.remember(lease, parent, found)
+        return _granted(lease, "adopted", "lapsed")
+
+    def released(self, lease: Lease) -> Callable[[bool, Any, Any], dict[str, Any]]:
+        def describe(ended: bool, _parent: Any, _found: Any) -> dict[str, Any]:
+            granted = self.of_lease(lease, forget=True)[1]  # its run's, if released outside
+            outcome = "released" if ended else "expired"
+            return {
+                **granted,
+                "taskguard.lock.outcome": outcome,
+                "taskguard.lock.token": lease.token,
+            }
+
+        return describe
+
+    def renewal(self, lease: Lease, started: int, ended: bool | None, error: str | None) -> None:
+        """A renewal's span, made once it is known to be worth recording (``ended``:
+        renew()'s answer; None: it raised ``error``)."""
+        took = (time.time_ns() - started) / 1e9
+        if ended and took < self.slow_renewal and random.random() >= self.sample_rate:
+            return
+        parent, granted = self.of_lease(lease)
+        context = self.trace.set_span_in_context(parent) if parent is not None else None
+        found = {**granted, "taskguard.lock.token": lease.token}
+        if error is None:
+            found["taskguard.lock.outcome"] = "renewed" if ended else "lost"
+        if not ended:
+            found["error.type"] = error or "taskguard.exceptions.LeaseLost"
+        span = self.tracer.start_span(
+            "taskguard.renew", context=context, start_time=started, attributes=found
+        )
+        if not ended:
+            span.set_status(self.trace.Status(self.trace.StatusCode.ERROR))
+        span.end()
+
+    # -- the wrappers -----------------------------------------------------------------
+
+    def wrappers(self, originals: dict[str, Any]) -> dict[str, Any]:
+        """A wrapper for each of :data:`_WRAPPED`, calling its original."""
+        take, attempt, adopt, take_over, give_back, force_release, renew = (
+            originals[name] for name in _WRAPPED
+        )
+        limit_1 = {"taskguard.lock.limit": 1}
+
+        def take_(guard: TaskGuard, key: str, *args: Any, **kwargs: Any) -> Any:
+            run = lambda: take(guard, key, *args, **kwargs)  # noqa: E731
+            return self.span("taskguard.acquire", key, limit_1, run, self.acquired)
+
+        def attempt_(guard: TaskGuard, key: str, ttl: Any, *details: Any) -> Any:
+            # _attempt(key, ttl, task_name, task_id, hostname, pid, slot, limit, ...)
+            extra = {"taskguard.lock.limit": details[5]}
+            run = lambda: attempt(guard, key, ttl, *details)  # noqa: E731
+            return self.span("taskguard.acquire", key, extra, run, self.acquired)
+
+        def adopt_(guard: TaskGuard, key: str, *args: Any, **kwargs: Any) -> Any:
+            run = lambda: adopt(guard, key, *args, **kwargs)  # noqa: E731
+            return self.span("taskguard.adopt", key, {}, run, self.adopted)
+
+        def take_over_(guard: TaskGuard, key: str, *args: Any, **kwargs: Any) -> Any:
+            run = lambda: take_over(guard, key, *args, **kwargs)  # noqa: E731
+            return self.span("taskguard.adopt", key, {}, run, self.adopted)
+
+        def give_back_(guard: TaskGuard, lease: Lease, *args: Any, **kwargs: Any) -> Any:
+            run = lambda: give_back(guard, lease, *args, **kwargs)  # noqa: E731
+            return self.span("taskguard.release", lease.key, {}, run, self.released(lease))
+
+        def force_release_(guard: TaskGuard, key: str, *args: Any, **kwargs: Any) -> Any:
+            def describe(ended: bool, _parent: Any, _found: Any) -> dict[str, Any]:
+                return {"taskguard.lock.outcome": "released" if ended else "not_held"}
+
+            run = lambda: force_release(guard, key, *args, **kwargs)  # noqa: E731
+            return self.span("taskguard.force_release", key, {}, run, describe)
+
+        def renew_(guard: TaskGuard, lease: Lease, *args: Any, **kwargs: Any) -> Any:
+            started = time.time_ns()
+            try:
+                ended = renew(guard, lease, *args, **kwargs)
+            except Exception as exc:
+                self.renewal(lease, started, None, _error_type(exc))
+                raise
+            self.renewal(lease, started, ended, None)
+            return ended
+
+        made = (take_, attempt_, adopt_, take_over_, give_back_, force_release_, renew_)
+        for name, wrapper in zip(_WRAPPED, made, strict=True):
+            wrapper.__name__ = wrapper.__qualname__ = name
+            wrapper.__doc__ = originals[name].__doc__
+        return dict(zip(_WRAPPED, made, strict=True))
+
+    def waiting(self, wait_for: Callable[..., Lease | None]) -> Callable[..., Lease | None]:
+        """``acquire(..., wait=)``'s wait, a span inside the acquire's."""
+
+        def wait_for_(store: Any, attempt: Any, key: str, *args: Any) -> Lease | None:
+            timeout = {"taskguard.lock.wait_timeout": args[-1]}
+            with self.tracer.start_as_current_span("taskguard.wait", attributes=timeout) as span:
+                lease = wait_for(store, attempt, key, *args)
+                span.set_attributes(_granted(lease, "granted", "timeout"))
+                if lease is None:
+                    span.set_attribute("error.type", "timeout")
+                    span.set_status(self.trace.Status(self.trace.StatusCode.ERROR))
+                return lease
+
+        return wait_for_
+
+    # -- events the integrations send -------------------------------------------------
+
+    def on_conflict(
+        self, sender: Any = None, key: Any = None, action: Any = None, **kwargs: Any
+    ) -> None:
+        """What the integration does about a refusal: an event on the current span (a
+        run's, the publisher's: the refused acquire's span is its child)."""
+        current = self.trace.get_current_span()
+        if current.is_recording():
+            found = self.attributes(str(key))
+            found.setdefault("taskguard.lock.phase", "queue")  # outside a run: at enqueue
+            found["taskguard.lock.strategy"] = str(action)
+            current.add_event("taskguard.lock.conflict", found)
+
+    def on_lost(
+        self, sender: Any = None, key: Any = None, lease: Any = None, **kwargs: Any
+    ) -> None:
+        """A lease lost: an event on the span it was granted under (the run's)."""
+        if not isinstance(lease, Lease):
+            return
+        parent, granted = self.of_lease(lease, forget=True)
+        found = {
+            **granted,
+            "error.type": "taskguard.exceptions.LeaseLost",
+            "taskguard.lock.reason": str(kwargs.get("reason")),
+            "taskguard.lock.token": lease.token,
+        }
+        if parent is not None and parent.is_recording():
+            parent.add_event("taskguard.lock.lost", found)
+            return
+        context = self.trace.set_span_in_context(parent) if parent is not None else None
+        span = self.tracer.start_span("taskguard.lease_lost", context=context, attributes=found)
+        span.set_status(self.trace.Status(self.trace.StatusCode.ERROR))
+        span.end()
+
+    def receivers(self) -> list[tuple[Any, Any, str]]:
         return [
-            (signals.lock_acquired, self.on_acquired, "acquired"),
             (signals.lock_conflict, self.on_conflict, "conflict"),
-            (signals.lock_released, self.on_released, "released"),
             (signals.lease_lost, self.on_lost, "lost"),
         ]
 
-    def connect(self) -> None:
-        for signal, receiver, name in self._pairs():
-            signal.connect(receiver, weak=False, dispatch_uid=f"taskguard.otel.{name}")
 
-    def disconnect(self) -> None:
-        for signal, _receiver, name in self._pairs():
-            signal.disconnect(dispatch_uid=f"taskguard.otel.{name}")
+def instrument(
+    *,
+    tracer_provider: Any = None,
+    record_keys: bool = False,
+    slow_renewal: float = 1.0,
+    renewal_sample_rate: float = 0.0,
+) -> bool:
+    """Trace taskguard's lease operations with OpenTelemetry (``tracer_provider``:
+    default the global one). ``record_keys=True`` adds ``taskguard.lock.key`` (off by
+    default: keys can be many and can carry data). A renewal is a span when it fails,
+    takes ``slow_renewal`` seconds or more, or is among ``renewal_sample_rate`` (0 to
+    1) of the others. Call again to change the settings.
 
-    def _attributes(self, sender: Any, key: Any, outcome: str) -> dict[str, Any]:
-        """phase, strategy and limit from the task's options (none outside Celery)."""
-        attributes: dict[str, Any] = {"taskguard.lock.outcome": outcome}
-        opts = getattr(sender, "taskguard_options", None)
-        if opts is not None:
-            # Sent outside the task's own run: its publish (a queue phase).
-            in_run = not getattr(sender.request, "called_directly", True)
-            attributes["taskguard.lock.phase"] = "run" if in_run else "queue"
-            attributes["taskguard.lock.strategy"] = str(opts.conflict)
-            attributes["taskguard.lock.limit"] = opts.limit
-        if self.record_keys and key is not None:
-            attributes["taskguard.lock.key"] = str(key)
-        return attributes
-
-    def _record(self, what: str, attributes: dict[str, Any], waited: float | None = None) -> None:
-        """An event on the current span; a span of its own when there is none (or a
-        ``taskguard.wait`` span when the wait's length is known)."""
-        current = self.trace.get_current_span()
-        if waited is None and current.is_recording():
-            current.add_event(f"taskguard.lock.{what}", attributes)
-            return
-        now = time.time_ns()
-        name = _NAMES[what] if waited is None else "taskguard.wait"
-        start = now - int(waited * 1e9) if waited is not None else now
-        span = self.tracer.start_span(name, start_time=start, attributes=attributes)
-        if "error.type" in attributes:
-            span.set_status(self.trace.Status(self.trace.StatusCode.ERROR))
-        span.end(end_time=now)
-
-    def on_acquired(self, sender: Any = None, key: Any = None, lease: Any = None, **_: Any) -> None:
-        attributes = self._attributes(sender, key, "granted")
-        if lease is not None:
-            attributes["taskguard.lock.token"] = lease.token
-        self._record("acquired", attributes)
-
-    def on_conflict(
-        self,
-        sender: Any = None,
-        key: Any = None,
-        holder: Any = None,
-        action: Any = None,
-        waited: float | None = None,
-        **_: Any,
-    ) -> None:
-        attributes = self._attributes(sender, key, "refused")
-        attributes.setdefault("taskguard.lock.strategy", str(action))
-        if holder is not None:
-            attributes["taskguard.lock.holder.task_id"] = str(holder.task_id)
-            attributes["taskguard.lock.holder.host"] = str(holder.holder.hostname)
-            attributes["taskguard.lock.holder.token"] = holder.token
-        if waited is not None:
-            attributes["error.type"] = "timeout"
-        self._record("refused", attributes, waited)
-
-    def on_released(
-        self,
-        sender: Any = None,
-        key: Any = None,
-        lease: Any = None,
-        released: bool = True,
-        **_: Any,
-    ) -> None:
-        attributes = self._attributes(sender, key, "released" if released else "expired")
-        if lease is not None:
-            attributes["taskguard.lock.token"] = lease.token
-        self._record("released", attributes)
-
-    def on_lost(self, sender: Any = None, key: Any = None, lease: Any = None, **_: Any) -> None:
-        attributes = self._attributes(sender, key, "lost")
-        attributes["error.type"] = "taskguard.LeaseLost"
-        if lease is not None:
-            attributes["taskguard.lock.token"] = lease.token
-        self._record("lost", attributes)
-
-
-def instrument(*, tracer_provider: Any = None, record_keys: bool = False) -> None:
-    """Record taskguard's lock events with OpenTelemetry (``tracer_provider``: default
-    the global one). ``record_keys=True`` adds ``taskguard.lock.key`` (off by default:
-    keys can be many and can carry data). Call again to change the settings. Raises
-    :class:`ConfigurationError` when opentelemetry-api is not installed."""
+    Returns ``False`` (and logs a warning) when there is no tracer provider to record
+    with (none given, and no global one set yet): then nothing is wrapped, so it
+    costs nothing; call it after setting one. Raises :class:`ConfigurationError`
+    when opentelemetry-api is not installed."""
+    if not 0.0 <= renewal_sample_rate <= 1.0:
+        raise ValueError(f"renewal_sample_rate must be from 0 to 1, got {renewal_sample_rate!r}")
+    if not slow_renewal > 0:
+        raise ValueError(f"slow_renewal must be a positive number of seconds, got {slow_renewal!r}")
+    tracing = _Tracing(tracer_provider, record_keys, float(slow_renewal), renewal_sample_rate)
     with _lock:
-        recorder = _Recorder(tracer_provider, record_keys)
-        _disconnect()
-        recorder.connect()
-        _state["recorder"] = recorder
+        _restore()
+        if not tracing.recording(tracer_provider):
+            log.warning(
+                "taskguard.otel.instrument(): no tracer provider is set, so nothing is "
+                "traced; call it after setting one (or pass tracer_provider=)"
+            )
+            return False
+        originals = {name: TaskGuard.__dict__[name] for name in _WRAPPED}
+        names = vars(guard_module)  # guard.py's own reference to waiting.wait_for
+        _state.update(originals=originals, wait_for=names["wait_for"], tracing=tracing)
+        for name, wrapper in tracing.wrappers(originals).items():
+            setattr(TaskGuard, name, wrapper)
+        names["wait_for"] = tracing.waiting(names["wait_for"])
+        for signal, receiver, name in tracing.receivers():
+            signal.connect(receiver, weak=False, dispatch_uid=f"taskguard.otel.{name}")
+    return True
 
 
 def uninstrument() -> None:
-    """Disconnect the receivers (tests, reconfiguration)."""
+    """Undo :func:`instrument` (tests, reconfiguration)."""
     with _lock:
-        _disconnect()
+        _restore()
 
 
-def _disconnect() -> None:
-    current = _state.pop("recorder", None)
-    if current is not None:
-        current.disconnect()
+def _restore() -> None:
+    tracing = _state.pop("tracing", None)
+    if tracing is None:
+        return
+    for name, original in _state.pop("originals").items():
+        setattr(TaskGuard, name, original)
+    vars(guard_module)["wait_for"] = _state.pop("wait_for")
+    for signal, _receiver, name in tracing.receivers():
+        signal.disconnect(dispatch_uid=f"taskguard.otel.{name}")

@@ -201,6 +201,13 @@ class GuardedRun(Hold):
     def begin(self) -> bool:
         """Take the lease; ``False`` when the body must not run (:attr:`outcome` is
         then what the job returns). Raises what the conflict action raises."""
+        token = enter_run(self)  # this context's run meanwhile (its spans: taskguard.otel)
+        try:
+            return self._begin()
+        finally:
+            exit_run(token)
+
+    def _begin(self) -> bool:
         opts, guard = self.spec.opts, self.guard
         times = self.spec.durations(self.app)
         lease = self._adopt(times.ttl) if opts.locks_queue else None

@@ -47,6 +47,9 @@ WARM, RUNS = 50, 100
 KINDS = ("plain", "minimal", "guarded", "queue_and_run")
 PUBLISHED = ("plain", "guarded", "queue_and_run")
 _STDLIB = sysconfig.get_paths()["stdlib"]
+#: TGLINES_OTEL=api: taskguard.otel.instrument() with no tracer provider set (the API's
+#: no-op tracer); TGLINES_OTEL=sdk: with the SDK's provider recording every span (issue 44).
+OTEL = os.environ.get("TGLINES_OTEL", "")
 #: TGLINES_DETAIL=1: count by function too, and print the largest differences (diagnosis;
 #: TGLINES_TOP of them, default 60).
 DETAIL = os.environ.get("TGLINES_DETAIL") == "1"
@@ -132,6 +135,8 @@ def build_app() -> Any:
 
     prefix = os.environ["TGLINES_PREFIX"]
     db_url = os.environ["TGLINES_DB_URL"]
+    if OTEL:
+        _instrument(OTEL)
     app = Celery("tglines", broker=os.environ["TGLINES_BROKER"])
     app.conf.update(
         task_default_queue=os.environ["TGLINES_PUBLISH_QUEUE"],
@@ -187,6 +192,22 @@ def build_app() -> Any:
     tasks = (plain, minimal, guarded, queue_and_run)
     app.lines_tasks = dict(zip(KINDS, tasks, strict=True))  # type: ignore[attr-defined]
     return app
+
+
+def _instrument(how: str) -> None:
+    from taskguard import otel
+
+    provider = None
+    if how == "sdk":
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(InMemorySpanExporter()))
+    elif how != "api":
+        raise SystemExit(f"TGLINES_OTEL must be api or sdk, not {how!r}")
+    otel.instrument(tracer_provider=provider)
 
 
 app = build_app() if os.environ.get("TGLINES_DB_URL") else None

@@ -1,7 +1,8 @@
 """taskguard.otel in a real prefork worker traced by opentelemetry-instrumentation-celery:
-a run's lock events are events of its ``run/<task>`` span, a refused duplicate's
-event names the holder, and a queue-phase refusal at publish is recorded by the
-publishing process (this one, with its own tracer provider)."""
+a run's acquire and release are spans, children of its ``run/<task>`` span; a refused
+duplicate's acquire span says refused and by whom (and the run's span, what it did
+about it); a queue-phase refusal at publish is a span of the publishing process (this
+one, with its own tracer provider), as is an operator's force-release."""
 
 from __future__ import annotations
 
@@ -37,8 +38,11 @@ def _runs(path: Path) -> list[dict[str, Any]]:
     return found if len(found) == 2 else []
 
 
-def _events(span: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {e["name"]: e["attributes"] for e in span["events"]}
+def _child(spans: list[dict[str, Any]], parent: dict[str, Any], name: str) -> dict[str, Any]:
+    """The one span ``name`` whose parent is ``parent``."""
+    (found,) = [s for s in spans if s["name"] == name and s["parent_id"] == parent["span_id"]]
+    assert found["trace_id"] == parent["trace_id"]
+    return found
 
 
 def test_lock_events_in_traced_worker_and_publisher(pg_url: str, tmp_path: Path) -> None:
@@ -77,6 +81,7 @@ def test_lock_events_in_traced_worker_and_publisher(pg_url: str, tmp_path: Path)
                 queued.delay(kid)
             assert first.get(timeout=60) == "ran"
             runs = wait_for(lambda: _runs(spans_file), 30, "both runs' spans")
+            assert guard.force_release(f"otelq:{kid}", by="test")  # an operator, here
     finally:
         purge_queue(AMQP_URL, idle_queue, delete=True)
         otel.uninstrument()
@@ -84,30 +89,47 @@ def test_lock_events_in_traced_worker_and_publisher(pg_url: str, tmp_path: Path)
         app.close()
         reset_guards()
 
+    worker_spans = _spans(spans_file)
     by_task = {s["attributes"]["messaging.message.id"]: s for s in runs}  # the task id
     ran, refused = by_task[first.id], by_task[duplicate.id]
-    acquired = _events(ran)["taskguard.lock.acquired"]
-    assert acquired["taskguard.lock.phase"] == "run"
-    assert acquired["taskguard.lock.strategy"] == "skip"
-    assert acquired["taskguard.lock.limit"] == 1
-    assert acquired["taskguard.lock.token"] > 0
-    assert "taskguard.lock.key" not in acquired  # only with instrument(record_keys=True)
-    released = _events(ran)["taskguard.lock.released"]
+    acquired = _child(worker_spans, ran, "taskguard.acquire")["attributes"]
+    assert acquired == {
+        "taskguard.lock.phase": "run",
+        "taskguard.lock.strategy": "skip",
+        "taskguard.lock.limit": 1,
+        "taskguard.lock.outcome": "granted",
+        "taskguard.lock.token": acquired["taskguard.lock.token"],
+    }  # no taskguard.lock.key: only with instrument(record_keys=True)
+    released = _child(worker_spans, ran, "taskguard.release")["attributes"]
     assert released["taskguard.lock.outcome"] == "released"
+    assert released["taskguard.lock.strategy"] == "skip"  # the grant's
     assert released["taskguard.lock.token"] == acquired["taskguard.lock.token"]
-    refusal = _events(refused)["taskguard.lock.refused"]
+    refusal = _child(worker_spans, refused, "taskguard.acquire")["attributes"]
     assert refusal["taskguard.lock.outcome"] == "refused"
     assert refusal["taskguard.lock.holder.task_id"] == first.id
+    assert refusal["taskguard.lock.holder.task_name"] == "tg.otel_hold"
     assert refusal["taskguard.lock.holder.host"].startswith(queue)
+    assert refusal["taskguard.lock.holder.token"] == acquired["taskguard.lock.token"]
+    acted = {e["name"]: e["attributes"] for e in refused["events"]}["taskguard.lock.conflict"]
+    assert acted == {"taskguard.lock.phase": "run", "taskguard.lock.strategy": "skip"}
 
-    published = {s.name: s for s in exporter.get_finished_spans()}
-    web = published["web.request"]
-    (event,) = [e for e in web.events if e.name == "taskguard.lock.refused"]
-    assert event.attributes is not None
-    assert event.attributes["taskguard.lock.phase"] == "queue"
-    assert event.attributes["taskguard.lock.strategy"] == "raise"
-    assert event.attributes["taskguard.lock.holder.task_id"] == queued_first.id
-    granted = published["taskguard.acquire"]  # no span was current: a span of its own
+    published = exporter.get_finished_spans()
+    (web,) = [s for s in published if s.name == "web.request"]
+    at_publish = [s for s in published if s.name == "taskguard.acquire"]
+    granted, refused_here = at_publish  # the first outside any span: a root span
+    assert granted.parent is None
     assert granted.attributes is not None
     assert granted.attributes["taskguard.lock.outcome"] == "granted"
-    assert granted.attributes["taskguard.lock.phase"] == "queue"
+    assert refused_here.parent is not None
+    assert refused_here.parent.span_id == web.context.span_id
+    assert refused_here.attributes is not None
+    assert refused_here.attributes["taskguard.lock.outcome"] == "refused"
+    assert refused_here.attributes["taskguard.lock.holder.task_id"] == queued_first.id
+    (event,) = [e for e in web.events if e.name == "taskguard.lock.conflict"]
+    assert dict(event.attributes or {}) == {
+        "taskguard.lock.phase": "queue",
+        "taskguard.lock.strategy": "raise",
+    }
+    (forced,) = [s for s in published if s.name == "taskguard.force_release"]
+    assert forced.attributes is not None
+    assert forced.attributes["taskguard.lock.outcome"] == "released"
