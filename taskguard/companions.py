@@ -29,11 +29,9 @@ __all__ = [
     "ENDING",
     "FINISHED_PREFIX",
     "KINDS",
-    "ROLES",
     "companion_key",
     "companion_rows",
     "describe_companions",
-    "is_companion",
     "kind",
     "without_companions",
 ]

@@ -36,8 +36,6 @@ __all__ = [
     "bounded",
     "call_limit",
     "current_deadline",
-    "pop_limit",
-    "push_limit",
     "watchdog",
     "within",
 ]

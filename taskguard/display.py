@@ -19,7 +19,6 @@ from taskguard.history import EVENTS, LockEvent
 from taskguard.lease import Holder, LockInfo
 
 __all__ = [
-    "LOCKS_HEADERS",
     "format_duration",
     "lock_details",
     "locks_table",

@@ -54,7 +54,7 @@ from taskguard.dialects import dialect_for
 from taskguard.dialects.base import compile_for
 from taskguard.exceptions import ConfigurationError, LeaseLost
 
-__all__ = ["LeaseRef", "fence"]
+__all__ = ["fence"]
 
 log = logging.getLogger("taskguard")
 

@@ -24,18 +24,7 @@ from typing import Any
 
 from taskguard.lease import Holder, LockInfo
 
-__all__ = [
-    "ENDINGS",
-    "EVENTS",
-    "RELEASED",
-    "LockEvent",
-    "endings",
-    "explain",
-    "secs",
-    "story",
-    "what",
-    "with_holders",
-]
+__all__ = ["EVENTS", "LockEvent", "endings", "explain", "secs", "story", "what"]
 
 #: Every kind of event, in the words ``taskguard explain`` uses.
 EVENTS = {

@@ -49,7 +49,7 @@ from taskguard.signals import (
     run_deferred,
 )
 
-__all__ = ["HOLD_BUCKETS", "TaskGuardMetrics", "install", "uninstall"]
+__all__ = ["install"]
 
 #: Histogram buckets for hold time (seconds): task runs from milliseconds to hours.
 HOLD_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 14400)

@@ -27,15 +27,12 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator, TypeEngine
 
 __all__ = [
-    "EVENTS_TABLE",
     "HELD_VIEW",
     "LOCKS_TABLE",
-    "MARIADB_TABLE_OPTIONS",
     "RELEASE_CHANNEL",
     "SQLITE_TOKEN_TABLE",
     "TOKEN_SEQUENCE",
     "VERSION_TABLE",
-    "Base",
     "TaskLock",
     "TaskLockEvent",
     "metadata",

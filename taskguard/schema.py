@@ -41,9 +41,6 @@ if TYPE_CHECKING:
 # commands such as `taskguard locks` never need it.
 
 __all__ = [
-    "BRANCH_LABEL",
-    "TASKGUARD_OBJECTS",
-    "Installed",
     "alembic_config",
     "check_supported",
     "current",
@@ -52,7 +49,6 @@ __all__ = [
     "head",
     "include_taskguard_object",
     "installed",
-    "migrations_dir",
     "sql",
     "upgrade",
     "versions_dir",

@@ -51,24 +51,9 @@ from sqlalchemy.pool import NullPool
 from taskguard import config, schema
 from taskguard.guard import TaskGuard
 from taskguard.lease import LockInfo
-from taskguard.unlocked import (
-    LOCKING_ENV,
-    NoLockGuard,
-    UnlockedLease,
-    locking_disabled,
-    locking_off_requested,
-)
+from taskguard.unlocked import NoLockGuard, locking_disabled, locking_off_requested
 
-__all__ = [
-    "LOCKING_ENV",
-    "LockChecker",
-    "NoLockGuard",
-    "UnlockedLease",
-    "assert_free",
-    "assert_held",
-    "locking_disabled",
-    "locking_off_requested",
-]
+__all__ = ["assert_free", "assert_held", "locking_disabled"]
 
 _SERVER_ENV = "TASKGUARD_TEST_SERVER"
 _PREFIX_ENV = "TASKGUARD_TEST_DB_PREFIX"

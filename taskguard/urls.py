@@ -11,7 +11,7 @@ from sqlalchemy import exc as sa_exc
 
 from taskguard.exceptions import ConfigurationError
 
-__all__ = ["EXPECTED_FORM", "mask_text", "mask_url", "parse_url", "url_source"]
+__all__ = ["mask_text", "mask_url", "parse_url", "url_source"]
 
 #: Query parameters that carry a secret (libpq and psycopg accept the password there too).
 _SECRET_PARAMS = frozenset({"password", "passwd", "pass", "sslpassword", "sslkey_password"})

@@ -42,7 +42,7 @@ from taskguard.exceptions import TaskGuardError
 from taskguard.lease import Lease
 from taskguard.store import Store, WaitRow
 
-__all__ = ["POLL_MAX", "POLL_MIN", "RECHECK", "RENEW_EVERY", "RESERVATION", "abandoned", "wait_for"]
+__all__ = ["abandoned", "wait_for"]
 
 log = logging.getLogger("taskguard")
 

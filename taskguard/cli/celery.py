@@ -18,7 +18,7 @@ from taskguard.cli import cli
 from taskguard.cli.errors import EXIT_USAGE, OneLineGroup, fail
 from taskguard.cli.root import CONTEXT_SETTINGS, celery_app, quiet_library_logs
 
-__all__ = ["taskguard_command"]
+__all__: list[str] = []
 
 
 class _SameCommands(OneLineGroup):

@@ -20,15 +20,7 @@ from taskguard.display import printable
 from taskguard.exceptions import TaskGuardError
 from taskguard.urls import mask_text
 
-__all__ = [
-    "EXIT_NOT_FOUND",
-    "EXIT_OK",
-    "EXIT_USAGE",
-    "OneLineGroup",
-    "OneLineUsage",
-    "fail",
-    "failing_as_one_line",
-]
+__all__ = ["EXIT_NOT_FOUND", "EXIT_USAGE", "OneLineGroup", "fail", "failing_as_one_line"]
 
 EXIT_OK = 0
 #: Not found, not the owner, declined.

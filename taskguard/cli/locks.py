@@ -19,12 +19,12 @@ from taskguard.cli.errors import EXIT_NOT_FOUND, EXIT_USAGE, fail
 from taskguard.cli.root import celery_app, database_url_option, main_group, open_guard
 from taskguard.companions import companion_rows, describe_companions
 from taskguard.config import setting
-from taskguard.display import format_duration, lock_details, locks_table, printable
+from taskguard.display import lock_details, locks_table, printable
 from taskguard.guard import TaskGuard
 from taskguard.history import endings
 from taskguard.lease import Lease, LockInfo
 
-__all__ = ["format_duration", "locks", "reap", "release", "show"]
+__all__ = ["locks", "reap", "release", "show"]
 
 
 def _json(infos: Sequence[LockInfo]) -> str:

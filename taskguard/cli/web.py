@@ -13,7 +13,7 @@ from taskguard.cli.errors import EXIT_USAGE, fail, failing_as_one_line
 from taskguard.cli.root import celery_app, database_url_option, main_group, resolve_url
 from taskguard.config import build_guard
 
-__all__ = ["ENV_PASSWORD", "ENV_USER", "web"]
+__all__ = ["web"]
 
 #: HTTP basic credentials the operators act with (``--allow-actions``).
 ENV_USER = "TASKGUARD_WEB_USER"

@@ -26,13 +26,7 @@ from kombu import entity as _kombu_entity
 
 from taskguard.exceptions import ConfigurationError
 
-__all__ = [
-    "BrokerUnavailable",
-    "InProcessWorker",
-    "embedded_urls",
-    "make_app",
-    "require_transports",
-]
+__all__ = ["InProcessWorker", "embedded_urls", "make_app", "require_transports"]
 
 log = logging.getLogger("taskguard.demo")
 

@@ -1,8 +1,8 @@
-"""PostgreSQL connections, direct or behind a pooler. Part of the PostgreSQL dialect
-(:mod:`taskguard.dialects.postgresql`), kept apart for size: whether a connection
-talks to its server backend directly (only then are statements prepared under a
-name), the release listener's own connection, and the one-time warnings about
-poolers."""
+"""PostgreSQL connections, direct or behind a pooler, as the dialect
+(:mod:`taskguard.dialects.postgresql`) sets them up: whether a connection talks to
+its server backend directly (only then are statements prepared under a name), the
+release listener's own connection, waiting cooperatively in a green process, and
+the one-time warnings about poolers. The statements are the dialect's."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from taskguard.green import green_library
 from taskguard.models import RELEASE_CHANNEL
 
 __all__ = [
-    "PREPARE_THRESHOLD",
     "ReleaseListener",
     "backend_pid_is_real",
     "prepare_when_direct",

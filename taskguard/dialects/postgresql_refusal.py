@@ -1,12 +1,9 @@
-"""PostgreSQL's single acquire, reading its refusal in the same round trip. Part of
-the PostgreSQL dialect (:mod:`taskguard.dialects.postgresql`), kept apart for size.
-
-Every refused acquire is logged with its holder, and :meth:`TaskGuard.try_acquire`
-returns it, so a refusal used to cost a second statement: the read of the key's
-rows. In a duplicate storm (the same task published again and again while it is
-held) that read cost more than the acquire itself. Here the acquire is a
-data-modifying CTE, and the statement also returns the key's rows (and the marker
-key's, for ``acquire_unless``) when nothing was granted.
+"""PostgreSQL's acquire that also reads its refusal: when nothing was granted, the
+same statement returns the key's rows (and the marker key's, for
+``acquire_unless``), so a refused acquire, logged with its holder and returned by
+:meth:`TaskGuard.try_acquire`, costs one round trip, not two. Used by the dialect
+(:mod:`taskguard.dialects.postgresql`) for its full acquire: a data-modifying CTE
+wrapped around the shared upsert.
 
 Both parts see the statement's snapshot. A refusal decided by the acquire's read of
 a live row therefore always finds that row. A refusal decided by the upsert's
@@ -33,7 +30,7 @@ from sqlalchemy import (
 
 from taskguard.dialects.base import HOLDER_COLS, T
 
-__all__ = ["ROW_WIDTH", "granted_rows", "holder_rows", "reading_refusal"]
+__all__ = ["granted_rows", "holder_rows", "reading_refusal"]
 
 _ROW = (
     T.c.key,

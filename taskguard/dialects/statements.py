@@ -37,7 +37,7 @@ from taskguard.dialects.base import (
 from taskguard.dialects.event_statements import event_statements
 from taskguard.models import SQLITE_TOKEN_TABLE
 
-__all__ = ["INSERT_COLS", "build_lock_sql", "free_sql"]
+__all__ = ["build_lock_sql"]
 
 _t = T
 _ROW_COLS = (

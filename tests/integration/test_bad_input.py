@@ -37,10 +37,9 @@ from taskguard import (
     TaskGuard,
     TaskGuardError,
     guarded_task,
-    normalize_key,
 )
 from taskguard.config import reset_guards
-from taskguard.keys import MAX_KEY_LENGTH, MAX_TTL, MIN_TTL
+from taskguard.keys import MAX_KEY_LENGTH, MAX_TTL, MIN_TTL, normalize_key
 from taskguard.models import TaskLock
 
 EXAMPLES = int(os.environ.get("TASKGUARD_CHAOS_EXAMPLES", "40"))

@@ -10,16 +10,9 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
-from taskguard import (
-    InvalidArgument,
-    InvalidKey,
-    InvalidTTL,
-    LockHeld,
-    SchemaMissing,
-    TaskGuard,
-    TaskLock,
-    normalize_key,
-)
+from taskguard import InvalidArgument, InvalidKey, InvalidTTL, LockHeld, SchemaMissing, TaskGuard
+from taskguard.keys import normalize_key
+from taskguard.models import TaskLock
 
 
 def test_acquire_conflict_then_release(guard: TaskGuard) -> None:

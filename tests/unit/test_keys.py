@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from taskguard import InvalidKey, InvalidTTL, normalize_key, validate_ttl
-from taskguard.keys import MAX_KEY_LENGTH, MAX_TTL, MIN_TTL
+from taskguard import InvalidKey, InvalidTTL
+from taskguard.keys import MAX_KEY_LENGTH, MAX_TTL, MIN_TTL, normalize_key, validate_ttl
 
 
 def test_short_keys_are_stored_verbatim() -> None:

@@ -38,7 +38,7 @@ from taskguard.display import printable
 from taskguard.history import EVENTS, secs
 from taskguard.lease import Holder
 
-__all__ = ["HeldLockAdmin", "LockEventAdmin"]
+__all__: list[str] = []
 
 
 def _column(

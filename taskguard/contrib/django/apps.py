@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.apps import AppConfig
 
-__all__ = ["TaskGuardConfig"]
+__all__: list[str] = []
 
 
 class TaskGuardConfig(AppConfig):

@@ -21,7 +21,7 @@ from taskguard.contrib.django import conf
 from taskguard.dialects import SUPPORTED_DIALECTS, dialect_for_url
 from taskguard.exceptions import ConfigurationError
 
-__all__ = ["TAG", "check_settings", "register"]
+__all__ = ["register"]
 
 TAG = "taskguard"
 

@@ -28,7 +28,6 @@ from taskguard.exceptions import ConfigurationError
 
 __all__ = [
     "ALIAS_SETTING",
-    "APP",
     "ENGINES",
     "FILE_ENGINES",
     "URL_SETTING",

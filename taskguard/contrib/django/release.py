@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from taskguard.contrib.django import conf
 from taskguard.guard import TaskGuard
 
-__all__ = ["ReleaseResult", "force_release_as", "lock_guard"]
+__all__ = ["force_release_as"]
 
 log = logging.getLogger("taskguard.django")
 

@@ -24,7 +24,7 @@ from taskguard.config import reset_guards
 from taskguard.contrib.django import conf
 from taskguard.exceptions import ConfigurationError
 
-__all__ = ["DjangoDatabaseURL", "configure_celery_app", "install"]
+__all__ = ["configure_celery_app", "install"]
 
 log = logging.getLogger("taskguard.django")
 
