@@ -32,7 +32,9 @@ def _record(records: Path, **fields: Any) -> None:
 
 def build(redis_url: str, queue: str, database_url: str, records: Path) -> SimpleNamespace:
     broker = (
-        ListQueueBroker(redis_url, queue_name=queue)
+        # socket_timeout=None: BRPOP waits as long as the queue is empty (with redis-py 8's
+        # default of 5 s an idle worker's listener fails with a TimeoutError).
+        ListQueueBroker(redis_url, queue_name=queue, socket_timeout=None)
         .with_result_backend(RedisAsyncResultBackend(redis_url, result_ex_time=600))
         .with_middlewares(TaskguardMiddleware(database_url, history=True))
     )
