@@ -108,7 +108,9 @@ class TaskguardMiddleware(TaskiqMiddleware):
 
     def _spec(self, task_name: str) -> GuardSpec | None:
         task = self.broker.find_task(task_name)
-        if task is None or not (LABEL in task.labels or hasattr(task.original_func, "__taskguard__")):
+        if task is None or not (
+            LABEL in task.labels or hasattr(task.original_func, "__taskguard__")
+        ):
             return None
         return self.guard_task(task, task.labels.get(LABEL))
 

@@ -81,7 +81,9 @@ class Workers:
                 proc.wait()
 
     def logs(self) -> str:
-        return "".join(p.read_text(errors="replace") for p in self.records.parent.glob("worker*.log"))
+        return "".join(
+            p.read_text(errors="replace") for p in self.records.parent.glob("worker*.log")
+        )
 
 
 @pytest.fixture
@@ -152,7 +154,7 @@ def test_storm(db_url: str, records: Path) -> None:
         finally:
             await app.broker.shutdown()
 
-    with running(db_url, records) as (workers, app):
+    with running(db_url, records) as (_, app):
         results, took = asyncio.run(storm(app))
     ran = [i for i, r in enumerate(results) if r == {"ran": i}]
     skipped = [i for i, r in enumerate(results) if is_skipped(r)]
@@ -160,7 +162,9 @@ def test_storm(db_url: str, records: Path) -> None:
     bodies = sorted(r["i"] for r in rows)
     print(f"\nstorm on {make_url(db_url).get_backend_name()}: {len(ran)} ran, {len(skipped)} "
           f"skipped, {took:.1f} s")  # fmt: skip
-    assert len(ran) + len(skipped) == 200, [r for r in results if r not in ran and not is_skipped(r)]
+    assert len(ran) + len(skipped) == 200, [
+        r for r in results if r not in ran and not is_skipped(r)
+    ]
     assert bodies == ran  # each body that ran wrote one record; none ran twice
     assert set(most_at_once(rows).values()) == {1}, most_at_once(rows)
     assert len(ran) >= 10 and len(skipped) >= 10
@@ -200,11 +204,15 @@ def test_sigkilled_worker_frees_its_key_within_the_ttl(pg_url: str, records: Pat
             killed = time.monotonic()
             await asyncio.to_thread(wait_for, "the key freed", lambda: not held())
             freed_after = time.monotonic() - killed
-            return first["pid"], freed_after, (await outcomes(app, [await app.hold.kiq(1, 0, 0.2)]))[0]
+            return (
+                first["pid"],
+                freed_after,
+                (await outcomes(app, [await app.hold.kiq(1, 0, 0.2)]))[0],
+            )
         finally:
             await app.broker.shutdown()
 
-    with running(pg_url, records) as (workers, app):
+    with running(pg_url, records) as (_, app):
         victim, freed_after, second = asyncio.run(scenario(app))
     assert second == {"ran": 1}
     print(f"\nkey freed {freed_after:.1f} s after the SIGKILL (ttl 3 s)")
@@ -270,7 +278,7 @@ def test_postgresql_outage_during_a_run_and_a_send(
         seen = asyncio.run(scenario(app))
     print(f"\noutage: {seen}")
     assert seen["queued_in_outage"] == 0
-    assert 0.5 <= seen["taken_after"], seen  # not while the run's lease was valid
+    assert seen["taken_after"] >= 0.5, seen  # not while the run's lease was valid
     assert "lost lock 'hold:0'" in workers.logs()
     is_err, error, value = seen["run"]
     assert (is_err and "DatabaseUnavailable" in error) or value == {"ran": 0}, seen
@@ -317,7 +325,7 @@ def test_event_loop_lag_while_100_guarded_tasks_run(pg_url: str, records: Path) 
         finally:
             await app.broker.shutdown()
 
-    with running(pg_url, records, count=1) as (workers, app):
+    with running(pg_url, records, count=1) as (_, app):
         lag = asyncio.run(scenario(app))
     print(f"\nevent-loop lag beside 100 guarded tasks: p50 {lag['p50']:.2f} ms, "
           f"p99 {lag['p99']:.2f} ms, max {lag['max']:.1f} ms ({lag['samples']} samples; target p99 5 ms)")  # fmt: skip

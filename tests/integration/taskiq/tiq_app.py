@@ -96,7 +96,9 @@ def build(redis_url: str, queue: str, database_url: str, records: Path) -> Simpl
             "max": lags[-1],
         }
 
-    return SimpleNamespace(broker=broker, **{t.task_name: t for t in broker.get_all_tasks().values()})
+    return SimpleNamespace(
+        broker=broker, **{t.task_name: t for t in broker.get_all_tasks().values()}
+    )
 
 
 if "TIQ_QUEUE" in os.environ:  # a worker process
