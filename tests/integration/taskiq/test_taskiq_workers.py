@@ -70,15 +70,10 @@ class Workers:
             ))  # fmt: skip
 
     def stop(self) -> None:
-        for proc in self.procs:
+        for proc in self.procs:  # nothing to shut down gracefully: the whole group goes
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            proc.wait()
 
     def logs(self) -> str:
         return "".join(
@@ -288,25 +283,21 @@ def test_postgresql_outage_during_a_run_and_a_send(
 
 def test_duplicate_send_refused_before_the_broker(pg_url: str, records: Path) -> None:
     """``lock="queue", on_conflict="raise"``: the second send of a key raises
-    AlreadyLocked and never reaches the broker (one message in the queue)."""
+    AlreadyLocked and never reaches the broker (one message in the queue; no worker)."""
     import redis
 
-    async def sends(app: Any) -> Any:
+    async def sends(app: Any) -> None:
         await app.broker.startup()
         try:
-            first = await app.queue_raise.kiq(0, 7)
+            await app.queue_raise.kiq(0, 7)
             with pytest.raises(AlreadyLocked, match="not enqueued"):
                 await app.queue_raise.kiq(1, 7)
-            return first
         finally:
             await app.broker.shutdown()
 
     with running(pg_url, records, count=0) as (workers, app):
         asyncio.run(sends(app))
         assert redis.Redis.from_url(workers.redis_url).llen(workers.queue) == 1
-        workers.start()
-        wait_for("the run", lambda: read_records(records), 60)
-    assert [r["i"] for r in read_records(records)] == [0]
 
 
 def test_event_loop_lag_while_100_guarded_tasks_run(pg_url: str, records: Path) -> None:
