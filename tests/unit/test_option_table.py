@@ -131,7 +131,8 @@ def test_taskiq_decides_every_combination_as_celery_does() -> None:
     from taskguard.taskiq import TaskguardMiddleware
     from taskguard.taskiq import guarded as taskiq_guarded
 
-    broker = taskiq.InMemoryBroker().with_middlewares(TaskguardMiddleware("sqlite://"))
+    middleware = TaskguardMiddleware("sqlite://")
+    broker = taskiq.InMemoryBroker().with_middlewares(middleware)
     app = Celery("tg_table_taskiq", set_as_current=False)
     differ = []
     for options in _combinations():
@@ -147,7 +148,8 @@ def test_taskiq_decides_every_combination_as_celery_does() -> None:
         if verdict != expected:
             differ.append((options, celery, verdict))
     assert differ == [], f"{len(differ)} differ, e.g. {differ[:3]}"
-    # The label: checked when the broker starts (in the sender and in each worker).
+    # The label: checked when the broker starts (in the sender and in each worker; the
+    # lowest taskiq's InMemoryBroker does not start its middlewares: called here).
     broker.task(task_name=TASK, taskguard={"key": "feed:{feed_url}", "rate": "3/2s"})(fetch)
     with pytest.raises(ConfigurationError, match=r"rate= is not supported by taskiq$"):
-        asyncio.run(broker.startup())
+        asyncio.run(middleware.startup())
