@@ -106,11 +106,13 @@ def read_records(records: Path, phase: str = "end") -> list[dict[str, Any]]:
     return [r for r in rows if r["phase"] == phase]
 
 
-def most_at_once(rows: list[dict[str, Any]]) -> dict[int, int]:
-    """The most bodies of each key that overlapped in time."""
-    by_key: dict[int, list[tuple[float, int]]] = defaultdict(list)
+def most_at_once(rows: list[dict[str, Any]]) -> dict[tuple[str, int], int]:
+    """The most bodies of each key (sync_run's, or storm_run's and storm_queue's) that
+    overlapped in time."""
+    by_key: dict[tuple[str, int], list[tuple[float, int]]] = defaultdict(list)
     for r in rows:
-        by_key[r["n"]] += [(r["start"], 1), (r["end"], -1)]
+        key = ("sync" if r["task"] == "sync_run" else "storm", r["n"])
+        by_key[key] += [(r["start"], 1), (r["end"], -1)]
     most = {}
     for n, edges in by_key.items():
         now = peak = 0
@@ -131,9 +133,10 @@ async def outcomes(app: Any, handles: list[Any], timeout: float = 90) -> list[An
 
 
 def test_storm(db_url: str, records: Path) -> None:
-    """200 kicks over 5 keys (half the run lock, half the queue lock, sharing the
-    keys), body 0.2 s: at most one body of a key at once; every kick ran once or was
-    skipped (at its send or at its run), none twice, none lost."""
+    """200 kicks over 5 keys (the run lock and the queue lock sharing the keys; every
+    fourth kick a sync body on keys of its own, run on taskiq's thread pool), body 0.2 s:
+    at most one body of a key at once; every kick ran once or was skipped (at its send
+    or at its run), none twice, none lost."""
 
     async def storm(app: Any) -> tuple[list[Any], float]:
         await app.broker.startup()
@@ -141,7 +144,7 @@ def test_storm(db_url: str, records: Path) -> None:
             began = time.monotonic()
             handles = []
             for i in range(200):
-                task = app.storm_run if i % 2 == 0 else app.storm_queue
+                task = (app.storm_run, app.storm_queue, app.storm_run, app.sync_run)[i % 4]
                 handles.append(await task.kiq(i, i % 5))
                 if i % 40 == 39:
                     await asyncio.sleep(0.3)  # a storm in waves, so every key runs more than once
@@ -162,6 +165,7 @@ def test_storm(db_url: str, records: Path) -> None:
     ]
     assert bodies == ran  # each body that ran wrote one record; none ran twice
     assert set(most_at_once(rows).values()) == {1}, most_at_once(rows)
+    assert {r["task"] for r in rows} == {"storm_run", "storm_queue", "sync_run"}
     assert len(ran) >= 10 and len(skipped) >= 10
     queue_skips = [r for r in results if is_skipped(r) and r["task"] == "storm_queue"]
     assert queue_skips, "no duplicate send was skipped"

@@ -33,9 +33,14 @@ def _record(records: Path, **fields: Any) -> None:
 def build(redis_url: str, queue: str, database_url: str, records: Path) -> SimpleNamespace:
     broker = (
         # socket_timeout=None: BRPOP waits as long as the queue is empty (with redis-py 8's
-        # default of 5 s an idle worker's listener fails with a TimeoutError).
-        ListQueueBroker(redis_url, queue_name=queue, socket_timeout=None)
-        .with_result_backend(RedisAsyncResultBackend(redis_url, result_ex_time=600))
+        # default of 5 s an idle worker's listener fails with a TimeoutError); connecting
+        # may take longer than 5 s on a loaded machine.
+        ListQueueBroker(redis_url, queue_name=queue, socket_timeout=None, socket_connect_timeout=30)
+        .with_result_backend(
+            RedisAsyncResultBackend(
+                redis_url, result_ex_time=600, socket_timeout=30, socket_connect_timeout=30
+            )
+        )
         .with_middlewares(TaskguardMiddleware(database_url, history=True))
     )
 
