@@ -71,8 +71,12 @@ def build(redis_url: str, queue: str, database_url: str, records: Path) -> Simpl
         _record(records, task="sync_run", i=i, n=n, phase="end", start=start, end=time.time())
         return {"ran": i}
 
-    # A long run with a short ttl (renewed while it runs): SIGKILL and outage scenarios.
-    @broker.task(task_name="hold", taskguard={"key": "hold:{n}", "ttl": 3})
+    # A long run with a short ttl (renewed while it runs), stopped if its lease is lost:
+    # the SIGKILL, outage and lag scenarios.
+    @broker.task(
+        task_name="hold",
+        taskguard={"key": "hold:{n}", "ttl": 3, "stop_on_lease_loss": True},
+    )
     async def hold(i: int, n: int, seconds: float) -> dict[str, Any]:
         return await body("hold", i, n, seconds)
 
