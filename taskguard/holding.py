@@ -36,6 +36,7 @@ The error is raised at most once per run and never after the body returned.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import ctypes
 import logging
@@ -495,10 +496,12 @@ def _install() -> bool:
 
 
 class Interrupter:
-    """Delivers one :class:`LeaseLost` to the thread running one body."""
+    """Delivers one :class:`LeaseLost` to the thread running one body (``task``: to an
+    asyncio body, by cancelling its task; :meth:`GuardedRun.aexit` raises the loss)."""
 
-    def __init__(self, task_name: str) -> None:
-        self.kind = pool_kind()
+    def __init__(self, task_name: str, task: asyncio.Task[Any] | None = None) -> None:
+        self.kind = pool_kind() if task is None else "asyncio"
+        self.task = task
         self.ident = threading.get_ident()
         self.error: LeaseLost | None = None
         self._lock = threading.Lock()
@@ -528,6 +531,8 @@ class Interrupter:
                 return
             self._fired = True
             self.error = error
+            if self.task is not None:  # before a disarm: lands before the release's result
+                self.task.get_loop().call_soon_threadsafe(self.task.cancel)
         if self.kind == "main":
             signal.pthread_kill(self.ident, INTERRUPT_SIGNAL)
         elif self.kind == "thread":

@@ -32,6 +32,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from benchlib import lines_taskiq
 from benchlib.common import (
     Env,
     Row,
@@ -71,6 +72,7 @@ def rows() -> list[Row]:
         r("publish_plain", "apply_async of a plain task"),
         r("publish_run", 'lines apply_async of a lock="run" task adds (target <= 60)'),
         r("publish_queue_and_run", 'lines apply_async of a lock="queue_and_run" task adds'),
+        *lines_taskiq.rows(),
     ]
 
 
@@ -270,6 +272,7 @@ def run(env: Env) -> list[Row]:
                 runs[kind] = _mean(samples)
             failed = failed_tasks(env.redis_url, prefix)
             published = _publish(the_app)
+            lines_taskiq.fill(out, lines_taskiq.measure(url))
         except Exception:
             with contextlib.suppress(OSError):
                 sys.stderr.write(log_path.read_text(errors="replace")[-3000:])

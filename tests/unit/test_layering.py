@@ -19,6 +19,7 @@ INTEGRATIONS = (
     "taskguard.demo",
     "taskguard.contrib",
     "taskguard.web",
+    "taskguard.taskiq",
 )
 #: Known exceptions (importer, integration): config reads the database URL a compat
 #: backend's own setting names (taskguard.compat.backend_url), one reading of the URL.

@@ -12,6 +12,7 @@ retry_countdown without on_conflict="retry", wait_timeout without on_conflict="w
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from typing import Any
 
@@ -116,3 +117,39 @@ def test_the_four_combinations_django_tasks_accepted(options: dict[str, Any], me
     with pytest.raises(ConfigurationError) as refused:
         guarded(fetch, **options)
     assert str(refused.value).startswith(f"task {TASK}: {message}")
+
+
+#: What taskiq cannot do besides (issue 43): retry (no delayed re-send common to its
+#: brokers) and wait (it would hold a thread the lease statements need).
+TASKIQ_MODES = ("coalesce", "retry", "wait")
+
+
+def test_taskiq_decides_every_combination_as_celery_does() -> None:
+    """taskguard.taskiq's ``guarded`` (and its ``taskguard`` label, the same check):
+    Celery's verdict, or the core's "<option> is not supported by taskiq"."""
+    taskiq = pytest.importorskip("taskiq")
+    from taskguard.taskiq import TaskguardMiddleware
+    from taskguard.taskiq import guarded as taskiq_guarded
+
+    middleware = TaskguardMiddleware("sqlite://")
+    broker = taskiq.InMemoryBroker().with_middlewares(middleware)
+    app = Celery("tg_table_taskiq", set_as_current=False)
+    differ = []
+    for options in _combinations():
+        celery = _verdict(
+            lambda **o: guarded_task(app=app, shared=False, name=TASK, **o)(fetch), options
+        )
+        task = broker.task(task_name=TASK)(fetch)
+        verdict = _verdict(lambda **o: taskiq_guarded(**o)(task), options)  # noqa: B023
+        named = next((f"{name}=" for name in LACKING if name in options), None)
+        if named is None and options.get("on_conflict") in TASKIQ_MODES:
+            named = f"on_conflict='{options['on_conflict']}'"
+        expected = f"task {TASK}: {named} is not supported by taskiq" if named else celery
+        if verdict != expected:
+            differ.append((options, celery, verdict))
+    assert differ == [], f"{len(differ)} differ, e.g. {differ[:3]}"
+    # The label: checked when the broker starts (in the sender and in each worker; the
+    # lowest taskiq's InMemoryBroker does not start its middlewares: called here).
+    broker.task(task_name=TASK, taskguard={"key": "feed:{feed_url}", "rate": "3/2s"})(fetch)
+    with pytest.raises(ConfigurationError, match=r"rate= is not supported by taskiq$"):
+        asyncio.run(middleware.startup())
