@@ -259,14 +259,18 @@ class GuardedRun(Hold):
                         self.name, self.task_id, self.key)  # fmt: skip
 
     def run(self, body: Callable[[], T]) -> T | Any:
-        """The whole protocol around a sync ``body``."""
+        """The whole protocol around a sync ``body``. A body that raised leaves no
+        finished record: the framework may run the job again (a retry, same id)."""
         if not self.begin():
             return self.outcome
         self.enter()
+        returned = False
         try:
-            return body()
+            value = body()
+            returned = True
+            return value
         finally:
-            self.exit()  # disarms first: nothing interrupts the release
+            self.exit(final=returned)  # disarms first: nothing interrupts the release
 
     # -- asyncio: each statement on a thread, never on the event loop ----------------
 
@@ -303,13 +307,16 @@ class GuardedRun(Hold):
             raise asyncio.CancelledError
 
     async def arun(self, body: Callable[[], Awaitable[T]]) -> T | Any:
-        """The whole protocol around an async ``body``."""
+        """The whole protocol around an async ``body`` (:meth:`run`'s, off the loop)."""
         if not await self.abegin():
             return self.outcome
+        returned = False
         try:
-            return await body()
+            value = await body()
+            returned = True
+            return value
         finally:
-            await self.aexit()
+            await self.aexit(final=returned)
 
     # -- inside ------------------------------------------------------------------------
 

@@ -152,32 +152,13 @@ class TaskguardMiddleware(TaskiqMiddleware):
         if inspect.iscoroutinefunction(func):
 
             async def run_async(*args: Any, **kwargs: Any) -> Any:
-                run = self._run(spec, args, kwargs)
-                if not await run.abegin():
-                    return run.outcome
-                done = False
-                try:
-                    value = await func(*args, **kwargs)
-                    done = True
-                    return value
-                finally:
-                    await run.aexit(final=done)
+                return await self._run(spec, args, kwargs).arun(lambda: func(*args, **kwargs))
 
             wrapped: Callable[..., Any] = run_async
         else:
 
             def run_sync(*args: Any, **kwargs: Any) -> Any:
-                run = self._run(spec, args, kwargs)
-                if not run.begin():
-                    return run.outcome
-                run.enter()
-                done = False
-                try:
-                    value = func(*args, **kwargs)
-                    done = True
-                    return value
-                finally:
-                    run.exit(final=done)
+                return self._run(spec, args, kwargs).run(lambda: func(*args, **kwargs))
 
             wrapped = run_sync
         functools.update_wrapper(wrapped, func)
