@@ -36,15 +36,20 @@ DRAMATIQ = Framework(
 QUEUED = "taskguard_queued"
 
 
-@functools.cache
-def _passing(kind: type[BaseException]) -> type[BaseException]:
-    # Dramatiq's before_* hooks log and swallow anything but a MiddlewareError.
-    return type(kind.__name__, (kind, MiddlewareError), {"__module__": kind.__module__})
+#: Each error class, also a MiddlewareError (Dramatiq's before_* hooks log and
+#: swallow anything else).
+_PASSING: dict[type[BaseException], type[BaseException]] = {}
 
 
 def _through(error: BaseException) -> BaseException:
-    """``error`` itself, also a MiddlewareError, so a before_* hook raises it."""
-    error.__class__ = _passing(type(error))
+    """``error`` itself, made a MiddlewareError too, so that a before_* hook raises it."""
+    kind = type(error)
+    if not isinstance(error, MiddlewareError):
+        if kind not in _PASSING:
+            _PASSING[kind] = type(
+                kind.__name__, (kind, MiddlewareError), {"__module__": kind.__module__}
+            )
+        error.__class__ = _PASSING[kind]
     return error
 
 
@@ -147,4 +152,4 @@ class TaskGuardMiddleware(Middleware):
         if run is not None:  # a failed message may be retried: no finished record then
             run.exit(final=exception is None)
 
-    after_skip_message = after_process_message  # type: ignore[assignment]
+    after_skip_message = after_process_message

@@ -25,15 +25,14 @@ import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from tests.services import AMQP_URL, redis_db
 from sqlalchemy.engine import make_url
 
 from taskguard import AlreadyLocked, DatabaseUnavailable, OutcomeUnknown, TaskGuard
 from taskguard.config import reset_guards
 from tests.harness.proxy import FaultProxy
+from tests.services import AMQP_URL, redis_db
 
 pytest.importorskip("dramatiq")
 
@@ -46,6 +45,8 @@ pytestmark = pytest.mark.timeout(240)
 
 #: The suite's Redis database for this file (tests/services.py).
 REDIS_OFFSET = 4
+#: Each worker: two processes of four threads.
+PROCESSES = ("-p", "2", "-t", "4")
 #: How long the workers may take to start on a loaded 2-core machine.
 START_TIMEOUT = 90.0
 
@@ -61,11 +62,13 @@ class Workers:
             with open(log, "wb") as out:
                 self.procs.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", "dramatiq", "tg_dramatiq_app",
-                         "-p", "2", "-t", "4"],  # fmt: skip
-                        cwd=HERE, env=env, stdout=out, stderr=subprocess.STDOUT,
+                        [sys.executable, "-m", "dramatiq", "tg_dramatiq_app", *PROCESSES],
+                        cwd=HERE,
+                        env=env,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
                         start_new_session=True,
-                    )  # fmt: skip
+                    )
                 )
         deadline = time.monotonic() + START_TIMEOUT
         while self.text().count("ready for action") < 2 * count:
@@ -106,7 +109,7 @@ class Env:
     def start(self, count: int = 2) -> Workers:
         env = {**os.environ, "TG_DQ_BROKER": self.broker_url, "TG_DQ_QUEUE": self.queue,
                "TASKGUARD_DATABASE_URL": self.db_url, "TG_DQ_RECORDS": str(self.records),
-               "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}  # fmt: skip
+               "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
         self.workers = Workers(env, count, self.tmp)
         return self.workers
 
@@ -255,10 +258,10 @@ def test_an_outage_during_a_run_and_a_send(
     fetch.send("out", 2)
     # A send during the outage cannot take its queue lock: it raises, nothing is queued.
     with pytest.raises((DatabaseUnavailable, OutcomeUnknown)):
-        queued.send("out", 3)
+        queued.send("qout", 3)
     env.wait_for(lambda lines: any(line[:2] == ["fail", "2"] for line in lines), timeout=30)
     proxy.refuse = False
-    queued.send("out", 4)
+    queued.send("qout", 4)
     env.wait_for(lambda lines: {"1", "4"} <= {line[1] for line in lines if line[0] == "done"})
     lines = env.lines()
     assert next(line for line in lines if line[:2] == ["fail", "2"])[5] in (

@@ -53,7 +53,9 @@ class Recorder(Middleware):
         record("skip", message.args[1] if len(message.args) > 1 else -1)
 
 
-def make(broker_url: str, queue: str, database_url: str | None = None) -> tuple[Any, dict[str, Any]]:
+def make(
+    broker_url: str, queue: str, database_url: str | None = None
+) -> tuple[Any, dict[str, Any]]:
     if broker_url.startswith("amqp"):
         broker: Any = RabbitmqBroker(url=broker_url)
     else:
