@@ -35,7 +35,7 @@ with open("pyproject.toml", "rb") as f:
     project = tomllib.load(f)["project"]
 requirements = list(project["dependencies"])
 # The runtime extras too (not test/dev/bench: tools run at their latest versions).
-for extra in ("redis", "prometheus", "django"):
+for extra in ("redis", "prometheus", "django", "dramatiq"):
     requirements += project["optional-dependencies"][extra]
 pins = {}
 for req in requirements:

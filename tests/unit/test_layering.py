@@ -18,6 +18,7 @@ INTEGRATIONS = (
     "taskguard.cli",
     "taskguard.demo",
     "taskguard.contrib",
+    "taskguard.dramatiq",
     "taskguard.web",
 )
 #: Known exceptions (importer, integration): config reads the database URL a compat
