@@ -9,8 +9,8 @@ Which scenario runs where (to keep this file near a minute and a half):
 * a worker SIGKILLed mid-run: Redis + PostgreSQL;
 * a PostgreSQL outage during a run and during a send (a TCP proxy the test stops
   and starts): RabbitMQ + PostgreSQL;
-* a duplicate send with the queue lock refused before it reaches the broker:
-  Redis + PostgreSQL (no worker needed).
+* a duplicate send with the queue lock refused before it reaches the broker, and a
+  finished message delivered again not run again: Redis + PostgreSQL.
 """
 
 from __future__ import annotations
@@ -290,4 +290,8 @@ def test_a_duplicate_send_is_refused_before_the_broker(
     assert row.holder.task_id == first.message_id
     env.start(1)  # the queued message runs, adopting the lease its send took
     env.wait_for(lambda lines: any(line[:2] == ["done", "1"] for line in lines))
+    # Another delivery of the finished message (as after a lost ack) does not run again.
+    env.broker.enqueue(first)
+    env.wait_for(lambda lines: any(line[:2] == ["skip", "1"] for line in lines))
+    assert [line[0] for line in env.lines() if line[1] == "1"].count("start") == 1
     assert queued.send("dup", 3).message_id  # free again
