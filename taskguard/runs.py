@@ -29,7 +29,7 @@ from taskguard.exceptions import AlreadyLocked, OutcomeUnknown
 from taskguard.guard import TaskGuard
 from taskguard.holding import Hold, Interrupter, enter_run, exit_run, release_when_reachable
 from taskguard.holding import valid_until as local_deadline
-from taskguard.keys import normalize_key, validate_ttl
+from taskguard.keys import holder_for, normalize_key, validate_ttl
 from taskguard.lease import Holder, Lease, LockInfo, Marker, describe_holder, skipped_result
 from taskguard.options import Conflict, Durations, Framework, GuardOptions, durations
 
@@ -195,6 +195,7 @@ class GuardedRun(Hold):
         #: What the job returns when :meth:`begin` says the body must not run.
         self.outcome: Any = None
         self._token: Any = None
+        self._holder: Holder | None = None
 
     # -- the protocol -----------------------------------------------------------------
 
@@ -217,10 +218,13 @@ class GuardedRun(Hold):
             return True
         if lease is None:
             unless = self.finished.key if self.finished is not None else None
-            lease, holder = guard.try_acquire(
-                self.key, times.ttl, wait=times.wait_timeout, task_name=self.name,
-                task_id=self.task_id, unless=unless, **opts.acquire_options,
-            )  # fmt: skip
+            if opts.plain:  # one slot, no wait: the key and ttl are in stored form already
+                lease, holder = guard.take(self.key, times.ttl, self.holder(), unless)
+            else:
+                lease, holder = guard.try_acquire(
+                    self.key, times.ttl, wait=times.wait_timeout, task_name=self.name,
+                    task_id=self.task_id, unless=unless, **opts.acquire_options,
+                )  # fmt: skip
             if lease is None:
                 self.outcome = self._conflict(holder, times)
                 return False
@@ -250,12 +254,17 @@ class GuardedRun(Hold):
             return
         self.stop_renewing()
         marker = self.finished if final else None
-        if marker is not None:
-            holder = Holder(self.guard.hostname, self.name, self.task_id)
-            marker = marker._replace(holder=holder)
-        if not self.guard.release(lease, marker=marker):
+        if marker is not None:  # complete: stored key, ttl in seconds, this run's holder
+            marker = marker._replace(holder=self.holder())
+        if not self.guard.give_back(lease, marker):
             log.warning("task %s[%s]: lease on %r had expired or been taken over at release",
                         self.name, self.task_id, self.key)  # fmt: skip
+
+    def holder(self) -> Holder:
+        """This run's holder details (the task, its id, this host and process), checked once."""
+        if self._holder is None:
+            self._holder = holder_for(self.guard.hostname, self.name, self.task_id)
+        return self._holder
 
     def run(self, body: Callable[[], T]) -> T | Any:
         """The whole protocol around a sync ``body``."""
