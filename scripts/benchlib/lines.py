@@ -76,7 +76,7 @@ def rows() -> list[Row]:
         r("queue_and_run", 'lines a lock="queue_and_run" task adds to a run (adopting its lease)'),
         r("dramatiq_plain", "Dramatiq: a plain actor's run (hooks and actor, in process)"),
         r("dramatiq_minimal", "Dramatiq: lines the minimal correct lock by hand adds"),
-        r("dramatiq_guarded", "Dramatiq: lines an actor with key= adds to a run"),
+        r("dramatiq_guarded", "Dramatiq: lines an actor with key=, ttl=60 adds to a run"),
         r("dramatiq_ratio", "Dramatiq: guarded / minimal (added lines; target <= 1.5)"),
         r("publish_plain", "apply_async of a plain task"),
         r("publish_run", 'lines apply_async of a lock="run" task adds (target <= 60)'),
@@ -363,7 +363,11 @@ def _dramatiq(url: str, prefix: str) -> dict[str, tuple[float, dict[str, float]]
         "plain": dramatiq.actor(lambda i: None, broker=broker, actor_name=f"{prefix}d_plain"),
         "minimal": dramatiq.actor(minimal_body, broker=broker, actor_name=f"{prefix}d_min"),
         "guarded": dramatiq.actor(
-            lambda i: None, broker=broker, actor_name=f"{prefix}d_guarded", key=prefix + "dk:{i}"
+            lambda i: None,
+            broker=broker,
+            actor_name=f"{prefix}d_guarded",
+            key=prefix + "dk:{i}",
+            ttl=60,
         ),
     }
 
