@@ -134,14 +134,11 @@ class TaskGuardMiddleware(Middleware):
                          actions=_RunActions(), redelivers=True)  # fmt: skip
         try:
             began = run.begin()
-        except MiddlewareError:
+        except Exception as exc:  # Retry, AlreadyLocked (on_conflict="raise"), an outage
+            _through(exc)
             raise
-        except Exception as exc:  # AlreadyLocked (on_conflict="raise"), an outage: failed
-            raise _through(exc) from None
-        if not began:
-            if isinstance(run.outcome, BaseException):
-                raise _through(run.outcome)
-            raise SkipMessage(f"taskguard: {run.outcome}")
+        if not began:  # skipped (the core logged the key and its holder)
+            raise SkipMessage(run.outcome)
         run.enter()
         self._runs.current = run
 
