@@ -20,11 +20,12 @@ from typing import Any
 from dramatiq import Message, Retry
 from dramatiq.middleware import Middleware, MiddlewareError, SkipMessage
 
+from taskguard.config import unknown_settings
 from taskguard.exceptions import AlreadyLocked, ConfigurationError
 from taskguard.options import OPTION_NAMES, Conflict, Framework
 from taskguard.runs import Actions, GuardedRun, GuardSpec, enqueue_locked
 
-__all__ = ["DRAMATIQ", "TaskGuardMiddleware"]
+__all__ = ["TaskGuardMiddleware"]
 
 #: What Dramatiq cannot honour (the core refuses it at declaration, naming Dramatiq).
 DRAMATIQ = Framework(
@@ -85,6 +86,8 @@ class TaskGuardMiddleware(Middleware):
         #: The settings, read by taskguard.config as an app's ``conf``.
         self.conf = {"taskguard_database_url": database_url}
         self.conf.update({f"taskguard_{name}": value for name, value in settings.items()})
+        if unknown := unknown_settings(self):
+            raise ConfigurationError(f"TaskGuardMiddleware: {unknown[0]}")
         self.specs: dict[str, GuardSpec] = {}
         self._runs = threading.local()
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from taskguard import AlreadyLocked, TaskGuard, current_lease, is_skipped
+from taskguard import AlreadyLocked, ConfigurationError, TaskGuard, current_lease, is_skipped
 
 dramatiq = pytest.importorskip("dramatiq")
 from dramatiq.brokers.stub import StubBroker  # noqa: E402
@@ -98,3 +98,12 @@ def test_the_body_holds_its_lease_and_frees_the_key(broker: Any, guard: TaskGuar
     _work(broker)
     assert seen == [("lease:7", 30)]
     assert not any(r.held for r in guard.get_all("lease:7"))
+
+
+def test_misspelled_settings_and_options_are_refused(broker: Any) -> None:
+    with pytest.raises(ConfigurationError, match="did you mean taskguard_history"):
+        TaskGuardMiddleware(histroy=True)
+    with pytest.raises(ValueError, match="on_conflit"):  # Dramatiq's own check
+        dramatiq.actor(lambda: None, broker=broker, actor_name="typo", on_conflit="skip")
+    with pytest.raises(ConfigurationError, match="task bad: on_conflict='coalesce' is not"):
+        dramatiq.actor(lambda: None, broker=broker, actor_name="bad", on_conflict="coalesce")
