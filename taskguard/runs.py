@@ -20,6 +20,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
+from functools import cached_property
 from typing import Any, TypeVar
 
 from taskguard import signals
@@ -154,7 +155,15 @@ class GuardSpec:
 
     def durations(self, app: Any) -> Durations:
         """The lease lengths and wait; ``app``: the settings taskguard.config reads."""
-        return durations(self.opts, lambda name: setting(app, name))
+        return self._given or durations(self.opts, lambda name: setting(app, name))
+
+    @cached_property
+    def _given(self) -> Durations | None:
+        # Durations no setting decides (ttl given, and a wait's timeout): computed once.
+        opts = self.opts
+        if opts.ttl is None or (opts.mode.waits and opts.wait_timeout is None):
+            return None
+        return durations(opts, lambda name: None)
 
 
 def _finished_record(app: Any, task_id: str | None) -> Marker | None:
