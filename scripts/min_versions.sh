@@ -66,7 +66,7 @@ python -m pip install -q --disable-pip-version-check -c "$constraints" -e ".[tes
 
 echo "== installed"
 python -m pip list --disable-pip-version-check 2>/dev/null \
-    | grep -iE '^(sqlalchemy|alembic|psycopg|psycopg-binary|celery|kombu|click|redis|prometheus.client|django) ' || true
+    | grep -iE '^(sqlalchemy|alembic|psycopg|psycopg-binary|celery|kombu|click|redis|prometheus.client|django|dramatiq) ' || true
 # Every pin must hold: a resolver that quietly picked a newer release would make
 # this run prove nothing.
 python - "$constraints" <<'EOF'
