@@ -129,7 +129,6 @@ class TaskGuardMiddleware(Middleware):
         return enqueue
 
     def before_process_message(self, broker: Any, message: Any) -> None:
-        self._runs.current = None
         spec = self.specs.get(message.actor_name)
         if spec is None:
             return
@@ -148,7 +147,7 @@ class TaskGuardMiddleware(Middleware):
     def after_process_message(
         self, broker: Any, message: Any, *, result: Any = None, exception: Any = None
     ) -> None:
-        run, self._runs.current = getattr(self._runs, "current", None), None
+        run, self._runs.current = getattr(self._runs, "current", None), None  # set once a run began
         if run is not None:  # a failed message may be retried: no finished record then
             run.exit(final=exception is None)
 
