@@ -35,7 +35,7 @@ with open("pyproject.toml", "rb") as f:
     project = tomllib.load(f)["project"]
 requirements = list(project["dependencies"])
 # The runtime extras too (not test/dev/bench: tools run at their latest versions).
-for extra in ("redis", "prometheus", "django", "taskiq"):
+for extra in ("redis", "prometheus", "django", "dramatiq", "taskiq"):
     requirements += project["optional-dependencies"][extra]
 pins = {}
 for req in requirements:
@@ -66,7 +66,7 @@ python -m pip install -q --disable-pip-version-check -c "$constraints" -e ".[tes
 
 echo "== installed"
 python -m pip list --disable-pip-version-check 2>/dev/null \
-    | grep -iE '^(sqlalchemy|alembic|psycopg|psycopg-binary|celery|kombu|click|redis|prometheus.client|django) ' || true
+    | grep -iE '^(sqlalchemy|alembic|psycopg|psycopg-binary|celery|kombu|click|redis|prometheus.client|django|dramatiq) ' || true
 # Every pin must hold: a resolver that quietly picked a newer release would make
 # this run prove nothing.
 python - "$constraints" <<'EOF'

@@ -21,6 +21,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
+from functools import cached_property
 from typing import Any, TypeVar
 
 from taskguard import signals
@@ -30,7 +31,7 @@ from taskguard.exceptions import AlreadyLocked, OutcomeUnknown
 from taskguard.guard import TaskGuard
 from taskguard.holding import Hold, Interrupter, enter_run, exit_run, release_when_reachable
 from taskguard.holding import valid_until as local_deadline
-from taskguard.keys import normalize_key, validate_ttl
+from taskguard.keys import holder_for, normalize_key, validate_ttl
 from taskguard.lease import Holder, Lease, LockInfo, Marker, describe_holder, skipped_result
 from taskguard.options import Conflict, Durations, Framework, GuardOptions, durations
 
@@ -155,7 +156,15 @@ class GuardSpec:
 
     def durations(self, app: Any) -> Durations:
         """The lease lengths and wait; ``app``: the settings taskguard.config reads."""
-        return durations(self.opts, lambda name: setting(app, name))
+        return self._given or durations(self.opts, lambda name: setting(app, name))
+
+    @cached_property
+    def _given(self) -> Durations | None:
+        # Durations no setting decides (ttl given, and a wait's timeout): computed once.
+        opts = self.opts
+        if opts.ttl is None or (opts.mode.waits and opts.wait_timeout is None):
+            return None
+        return durations(opts, lambda name: None)
 
 
 def _finished_record(app: Any, task_id: str | None) -> Marker | None:
@@ -196,6 +205,7 @@ class GuardedRun(Hold):
         #: What the job returns when :meth:`begin` says the body must not run.
         self.outcome: Any = None
         self._token: Any = None
+        self._holder: Holder | None = None
 
     # -- the protocol -----------------------------------------------------------------
 
@@ -218,10 +228,13 @@ class GuardedRun(Hold):
             return True
         if lease is None:
             unless = self.finished.key if self.finished is not None else None
-            lease, holder = guard.try_acquire(
-                self.key, times.ttl, wait=times.wait_timeout, task_name=self.name,
-                task_id=self.task_id, unless=unless, **opts.acquire_options,
-            )  # fmt: skip
+            if opts.plain:  # one slot, no wait: the key and ttl are in stored form already
+                lease, holder = guard.take(self.key, times.ttl, self.holder(), unless)
+            else:
+                lease, holder = guard.try_acquire(
+                    self.key, times.ttl, wait=times.wait_timeout, task_name=self.name,
+                    task_id=self.task_id, unless=unless, **opts.acquire_options,
+                )  # fmt: skip
             if lease is None:
                 self.outcome = self._conflict(holder, times)
                 return False
@@ -251,12 +264,17 @@ class GuardedRun(Hold):
             return
         self.stop_renewing()
         marker = self.finished if final else None
-        if marker is not None:
-            holder = Holder(self.guard.hostname, self.name, self.task_id)
-            marker = marker._replace(holder=holder)
-        if not self.guard.release(lease, marker=marker):
+        if marker is not None:  # complete: stored key, ttl in seconds, this run's holder
+            marker = marker._replace(holder=self.holder())
+        if not self.guard.give_back(lease, marker):
             log.warning("task %s[%s]: lease on %r had expired or been taken over at release",
                         self.name, self.task_id, self.key)  # fmt: skip
+
+    def holder(self) -> Holder:
+        """This run's holder details (the task, its id, this host and process), checked once."""
+        if self._holder is None:
+            self._holder = holder_for(self.guard.hostname, self.name, self.task_id)
+        return self._holder
 
     def run(self, body: Callable[[], T]) -> T | Any:
         """The whole protocol around a sync ``body``. A body that raised leaves no

@@ -13,6 +13,7 @@ marked so are not emptied; the others are, when a test or page starts:
      2  tests/integration/django_tasks/test_celery_bridge.py (a queue per test; not emptied)
      3  scripts/bench.py's storm section under tests/integration/test_bench_quick.py
         (lock keys under a run's prefix; not emptied)
+     4  tests/integration/dramatiq (Dramatiq's Redis broker, a queue per test)
      5  tests/integration/taskiq (a queue per test; broker and results)
      6  docs/getting-started.md, 7 docs/behaviour.md (no worker)
      8  tests/journey/test_journey_djangofeeds.py

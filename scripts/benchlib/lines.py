@@ -13,6 +13,12 @@ kombu, other). Each variant: 50 warm-up runs, then the mean of 100. Publishing i
 counted the same way in this process: ``apply_async`` of the plain task, of a
 ``lock="run"`` task and of a ``lock="queue_and_run"`` task (distinct keys).
 
+Dramatiq (taskguard.dramatiq, issue 43), in this process: three actors on a stub
+broker with Dramatiq's default middleware and ``TaskGuardMiddleware``, the same three
+bodies (plain, the minimal lock by hand, ``key=`` with its defaults); each message
+processed as a Dramatiq worker thread does (``before_process_message``, the actor,
+``after_process_message``, or ``after_skip_message``), on the same database.
+
 The figures are what is compared, not times: the same code gives the same count on
 a loaded machine. A task that raised in the worker fails the run rows, with its
 error. The worker side is its own module: ``celery -A benchlib.lines``.
@@ -69,6 +75,10 @@ def rows() -> list[Row]:
         r("guarded", 'lines @guarded_task(lock="run") adds to a run'),
         r("ratio", "guarded / minimal (added lines; issue 34 target <= 1.5)"),
         r("queue_and_run", 'lines a lock="queue_and_run" task adds to a run (adopting its lease)'),
+        r("dramatiq_plain", "Dramatiq: a plain actor's run (hooks and actor, in process)"),
+        r("dramatiq_minimal", "Dramatiq: lines the minimal correct lock by hand adds"),
+        r("dramatiq_guarded", "Dramatiq: lines an actor with key=, ttl=60 adds to a run"),
+        r("dramatiq_ratio", "Dramatiq: guarded / minimal (added lines; target <= 1.5)"),
         r("publish_plain", "apply_async of a plain task"),
         r("publish_run", 'lines apply_async of a lock="run" task adds (target <= 60)'),
         r("publish_queue_and_run", 'lines apply_async of a lock="queue_and_run" task adds'),
@@ -273,6 +283,7 @@ def run(env: Env) -> list[Row]:
             failed = failed_tasks(env.redis_url, prefix)
             published = _publish(the_app)
             lines_taskiq.fill(out, lines_taskiq.measure(url))
+            dramatiq_runs = _dramatiq(url, prefix)
         except Exception:
             with contextlib.suppress(OSError):
                 sys.stderr.write(log_path.read_text(errors="replace")[-3000:])
@@ -304,6 +315,16 @@ def run(env: Env) -> list[Row]:
     why = "; ".join(f"{k} task: {failed[prefix + k]}" for k in KINDS if prefix + k in failed)
     if why:  # every run row is measured against the others
         mark_failed([by_id[f"lines.{k}"] for k in (*KINDS, "ratio")], why)
+    d_plain, d_plain_by = dramatiq_runs["plain"]
+    by_id["lines.dramatiq_plain"].rate = d_plain
+    for kind in ("minimal", "guarded"):
+        total, by = dramatiq_runs[kind]
+        row = by_id[f"lines.dramatiq_{kind}"]
+        row.rate = total - d_plain
+        row.note = "added, by file: " + _split(by, d_plain_by)
+    d_ratio = by_id["lines.dramatiq_ratio"]
+    d_ratio.rate = by_id["lines.dramatiq_guarded"].rate / by_id["lines.dramatiq_minimal"].rate
+    d_ratio.unit = "x"
     pub_plain, pub_plain_by = published["plain"]
     by_id["lines.publish_plain"].rate = pub_plain
     for kind, row_id in (("guarded", "publish_run"), ("queue_and_run", "publish_queue_and_run")):
@@ -321,6 +342,56 @@ def _publish(the_app: Any) -> dict[str, tuple[float, dict[str, float]]]:
         send = counting(the_app.lines_tasks[kind].apply_async)
         samples = [send((1_000_000 + i,))[1] for i in range(WARM + RUNS)][WARM:]
         out[kind] = _mean(samples)
+    return out
+
+
+def _dramatiq(url: str, prefix: str) -> dict[str, tuple[float, dict[str, float]]]:
+    """Lines per processed message of each Dramatiq actor (mean of RUNS after WARM)."""
+    import dramatiq
+    from dramatiq.broker import MessageProxy
+    from dramatiq.brokers.stub import StubBroker
+    from dramatiq.middleware import SkipMessage
+
+    from benchlib.pairs import MinimalLock
+    from taskguard.dramatiq import TaskGuardMiddleware
+
+    broker = StubBroker()
+    broker.add_middleware(TaskGuardMiddleware(url))
+    by_hand = MinimalLock(Row("lines.dramatiq_minimal", "", ""), url)
+
+    def minimal_body(i: int) -> None:
+        by_hand.pair(f"{prefix}dm:{i}")
+
+    actors = {
+        "plain": dramatiq.actor(lambda i: None, broker=broker, actor_name=f"{prefix}d_plain"),
+        "minimal": dramatiq.actor(minimal_body, broker=broker, actor_name=f"{prefix}d_min"),
+        "guarded": dramatiq.actor(
+            lambda i: None,
+            broker=broker,
+            actor_name=f"{prefix}d_guarded",
+            key=prefix + "dk:{i}",
+            ttl=60,
+        ),
+    }
+
+    def process(actor: Any, i: int) -> None:  # as dramatiq.worker's process_message
+        message = MessageProxy(actor.message(i))
+        try:
+            broker.emit_before("process_message", message)
+            result = actor(*message.args, **message.kwargs)
+            broker.emit_after("process_message", message, result=result)
+        except SkipMessage:
+            broker.emit_after("skip_message", message)
+
+    out = {}
+    try:
+        for kind, actor in actors.items():
+            counted = counting(process)
+            samples = [counted(actor, i)[1] for i in range(WARM + RUNS)][WARM:]
+            out[kind] = _mean(samples)
+    finally:
+        by_hand.close()
+        broker.close()
     return out
 
 

@@ -107,6 +107,7 @@ PAGES: dict[str, PageSpec] = {
         },
     ),
     "docs/django-tasks.md": PageSpec(urls={PAGE_PG: Service("pg+schema")}),
+    "docs/dramatiq.md": PageSpec(urls={PAGE_PG: Service("pg+schema")}),
     "docs/mariadb.md": PageSpec(urls={"mysql://app:secret@db:3306/app": Service("maria")}),
     "docs/alembic.md": PageSpec(
         urls={SHOP: Service("pg")},

@@ -18,6 +18,7 @@ INTEGRATIONS = (
     "taskguard.cli",
     "taskguard.demo",
     "taskguard.contrib",
+    "taskguard.dramatiq",
     "taskguard.web",
     "taskguard.taskiq",
 )

@@ -1,10 +1,11 @@
-"""Issue 42: ``@guarded_task`` (Celery) and django.tasks' ``@guarded`` accept or refuse
-every combination of the options identically, with the same one-line message naming
-the task and the option (both build the core's options, taskguard/options.py).
+"""Issue 42: ``@guarded_task`` (Celery), django.tasks' ``@guarded`` and Dramatiq's
+actor options (taskguard.dramatiq, issue 43) accept or refuse every combination of
+the options identically, with the same one-line message naming the task and the
+option (all build the core's options, taskguard/options.py).
 
-The one allowed difference: an option django.tasks cannot honour (:data:`LACKING`)
-is refused there with the core's "<option> is not supported by django.tasks",
-whatever Celery says of the combination. Before the core (up to 9c52ebb) this
+The one allowed difference: an option django.tasks or Dramatiq cannot honour
+(:data:`LACKING`) is refused there with the core's "<option> is not supported by
+django.tasks" (or "by Dramatiq"), whatever Celery says of the combination. Before the core (up to 9c52ebb) this
 failed, among others, on the four combinations django.tasks accepted and Celery
 refused: lock="queue_and_run" with on_conflict="wait", queue_ttl with lock="run",
 retry_countdown without on_conflict="retry", wait_timeout without on_conflict="wait".
@@ -23,6 +24,7 @@ from taskguard import guarded_task
 from taskguard.exceptions import ConfigurationError
 
 guarded = pytest.importorskip("taskguard.contrib.django_tasks").guarded
+dramatiq = pytest.importorskip("dramatiq")
 
 pytestmark = pytest.mark.django_tasks
 
@@ -41,7 +43,7 @@ EXTRAS: tuple[dict[str, Any], ...] = (
 )
 RATES = (None, "3/2s")
 SECONDS = ("queue_ttl", "retry_countdown", "wait_timeout")
-#: What django.tasks cannot do, refused there by the core naming the framework.
+#: What django.tasks and Dramatiq cannot do, refused there by the core naming the framework.
 #: (In the order the core names them: options in declaration order, then the mode.)
 LACKING = ("rate", "coalesce_replace", "debounce", "debounce_max")
 
@@ -81,8 +83,26 @@ def _lacking(options: dict[str, Any]) -> str | None:
     return named or ("on_conflict='coalesce'" if options.get("on_conflict") == "coalesce" else None)
 
 
-def test_celery_and_django_tasks_decide_every_combination_alike() -> None:
+def _dramatiq_actor() -> Any:
+    from dramatiq.brokers.stub import StubBroker
+
+    from taskguard.dramatiq import TaskGuardMiddleware
+
+    broker = StubBroker()
+    broker.add_middleware(TaskGuardMiddleware("sqlite://"))
+
+    def declare(**options: Any) -> None:
+        try:
+            dramatiq.actor(fetch, broker=broker, actor_name=TASK, **options)
+        finally:
+            broker.actors.pop(TASK, None)
+
+    return declare
+
+
+def test_celery_django_tasks_and_dramatiq_decide_every_combination_alike() -> None:
     app = Celery("tg_table", set_as_current=False)
+    actor = _dramatiq_actor()
     combos = _combinations()
     assert len(combos) == 3 * 7 * 8 * 2 * 8
     differ, refused = [], 0
@@ -90,12 +110,16 @@ def test_celery_and_django_tasks_decide_every_combination_alike() -> None:
         celery = _verdict(
             lambda **o: guarded_task(app=app, shared=False, name=TASK, **o)(fetch), options
         )
-        django = _verdict(lambda **o: guarded(fetch, **o), options)
         lacking = _lacking(options)
-        expected = f"task {TASK}: {lacking} is not supported by django.tasks" if lacking else celery
         refused += celery != "accepted"
-        if django != expected:
-            differ.append((options, celery, django))
+        for name, declare in (
+            ("django.tasks", lambda **o: guarded(fetch, **o)),
+            ("Dramatiq", actor),
+        ):
+            verdict = _verdict(declare, options)
+            expected = f"task {TASK}: {lacking} is not supported by {name}" if lacking else celery
+            if verdict != expected:
+                differ.append((name, options, celery, verdict))
         if celery != "accepted":  # one line, naming the task and an option given
             assert celery.startswith(f"task {TASK}: ") and "\n" not in celery
             named = celery.split(": ", 1)[1]
