@@ -84,10 +84,11 @@ def test_pages_render_and_filter(leases: TaskGuard) -> None:
     )
     assert cards == {
         "locks held": 3,
-        "keys held, 1 by several holders (a limit)": 2,
+        "keys at their limit (of 2 held)": 2,  # feed:1, report:x (both slots)
         "expired rows not yet reaped": 1,
     }
     assert "<svg" in overview.text and "1 conflict(s) in all" in overview.text
+    assert "reaper's last run: none recorded in the last day" in overview.text
 
     held = client.get("/locks").text
     assert "feed:1</a>" in held and "report:x</a>" in held and "feed:2</a>" not in held
@@ -141,6 +142,8 @@ def test_reap_now(leases: TaskGuard) -> None:
     assert "removed 0 expired lock row(s)" in answer.text
     run = leases.events("taskguard:reaper")[-1]
     assert run.event == "reap" and run.detail and run.detail.endswith("requested by alice")
+    card = re.search(r"<b>([^<]*)</b>reaper's last run: ([^<]*)</div>", client.get("/").text)
+    assert card and card.group(1).endswith(" ago") and "requested by alice" in card.group(2)
 
 
 def test_the_chart_counts_conflicts_of_reaped_keys_by_task_and_outcome(guard: TaskGuard) -> None:
@@ -356,3 +359,28 @@ def test_a_real_browser_shows_each_page(sqlite_url: str, tmp_path: Path) -> None
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_mounted_in_a_wsgi_app_through_an_adapter(sqlite_url: str) -> None:
+    """Flask, with the ASGI app mounted by werkzeug's dispatcher through a2wsgi (as
+    docs/web.md shows): links keep the mount's prefix."""
+    from a2wsgi import ASGIMiddleware
+    from flask import Flask
+    from werkzeug.middleware.dispatcher import DispatcherMiddleware
+
+    guard = TaskGuard(sqlite_url)
+    try:
+        assert guard.acquire("feed:1", 300, task_name="app.import_feed")
+        flask_app = Flask(__name__)
+        ops = ASGIMiddleware(create_app(guard))  # type: ignore[arg-type]
+        flask_app.wsgi_app = DispatcherMiddleware(  # type: ignore[method-assign]
+            flask_app.wsgi_app, {"/ops/locks": ops}
+        )
+        client = flask_app.test_client()
+        page = client.get("/ops/locks/locks")
+        assert page.status_code == 200 and 'href="/ops/locks/keys/feed%3A1"' in page.text
+        key = client.get("/ops/locks/keys/feed%3A1")
+        assert key.status_code == 200 and "app.import_feed" in key.text
+        assert client.get("/ops/locks/healthz").json["ok"] is True  # type: ignore[index]
+    finally:
+        guard.dispose()
