@@ -23,7 +23,7 @@ from starlette.applications import Starlette
 from starlette.routing import Mount
 from starlette.testclient import TestClient
 
-from taskguard import TaskGuard
+from taskguard import TaskGuard, schema
 from taskguard.cli import cli
 from taskguard.companions import companion_key
 from taskguard.web import basic_auth, create_app
@@ -374,7 +374,8 @@ def test_mounted_in_a_wsgi_app_through_an_adapter(sqlite_url: str) -> None:
         flask_app = Flask(__name__)
         ops = ASGIMiddleware(create_app(guard))  # type: ignore[arg-type]
         flask_app.wsgi_app = DispatcherMiddleware(  # type: ignore[method-assign]
-            flask_app.wsgi_app, {"/ops/locks": ops}
+            flask_app.wsgi_app,
+            {"/ops/locks": ops},  # type: ignore[dict-item]
         )
         client = flask_app.test_client()
         page = client.get("/ops/locks/locks")
@@ -384,3 +385,29 @@ def test_mounted_in_a_wsgi_app_through_an_adapter(sqlite_url: str) -> None:
         assert client.get("/ops/locks/healthz").json["ok"] is True  # type: ignore[index]
     finally:
         guard.dispose()
+
+
+def test_healthz_behind_hung_and_down(sqlite_url: str) -> None:
+    """503 with the schema a revision behind; with a database that accepts the
+    connection and never answers, within the guard's call_timeout; with it gone."""
+    schema.downgrade(sqlite_url, "-1")
+    behind = TestClient(create_app(sqlite_url)).get("/healthz")
+    assert behind.status_code == 503 and f"this taskguard needs {schema.head()}" in (
+        behind.json()["problems"][0]
+    )
+    with socket.socket() as silent:  # a stopped server behind its port: accepts, says nothing
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        url = f"postgresql://postgres@127.0.0.1:{silent.getsockname()[1]}/x"
+        guard = TaskGuard(url, call_timeout=2)
+        try:
+            client = TestClient(create_app(guard))
+            started = time.monotonic()
+            hung = client.get("/healthz")
+            assert hung.status_code == 503 and hung.json()["problems"] == ["no answer within 2s"]
+            assert time.monotonic() - started < 10
+            silent.close()  # now nothing listens there
+            down = client.get("/healthz")
+            assert down.status_code == 503 and "unreachable" in down.json()["problems"][0]
+        finally:
+            guard.dispose()
