@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install the Debian packages the tests need when they are missing: pgbouncer and
-# memcached (the tests start private copies), chromium (one headless screenshot test),
+# memcached (the tests start private copies), chromium (the web page's browser test, driven by Playwright),
 # and what the mysql extra (mysqlclient) compiles against. Quick and silent when they
 # are already there: `.ci/run` and scripts/test.sh both call it. Never starts or
 # configures a system service: the tests run their own processes from these binaries

@@ -69,14 +69,17 @@ class Overview:
     now: datetime
     held: int
     expired: int
-    #: Keys with a live lease, and those of them with several (under a limit).
+    #: Keys with a live lease, and those of them at their limit: every slot row of
+    #: the key live (the table keeps no limit: a slot never taken has no row).
     keys: int
-    shared: int
+    at_limit: int
     oldest: LockInfo | None
     #: Conflicts per hour, oldest hour first (``None``: no history recorded).
     conflicts: list[int] | None
     #: The same per (task, outcome), busiest first.
     series: list[Series]
+    #: The reaper's newest run recorded over the chart's day (``None``: none).
+    reaped: LockEvent | None
     truncated: bool
     #: The chart read its limit of events: the oldest hours may be short.
     chart_truncated: bool
@@ -94,22 +97,24 @@ def overview(guard: TaskGuard) -> Overview:
     rows = guard.held(include_expired=True, limit=ROWS)
     live = [r for r in rows if r.held]
     holders = Counter(r.key for r in live)
+    free = {r.key for r in rows if not r.held}
     now = rows[0].read_at if rows else guard.db_now()
-    events = guard.recent_events(
-        since=now - timedelta(hours=CHART_HOURS), kinds=CHART_KINDS, limit=CHART_EVENTS
-    )
+    since = now - timedelta(hours=CHART_HOURS)
+    events = guard.recent_events(since=since, kinds=CHART_KINDS, limit=CHART_EVENTS)
+    reaped = guard.recent_events(since=since, kinds=["reap"], limit=1)
     series = conflicts_per_hour(events, now)
     return Overview(
         now=now,
         held=len(live),
         expired=len(rows) - len(live),
         keys=len(holders),
-        shared=sum(n > 1 for n in holders.values()),
+        at_limit=len(holders.keys() - free),
         oldest=max(live, key=lambda r: r.held_for, default=None),
         conflicts=[sum(h) for h in zip(*(s.hours for s in series), strict=True)]
         if series
         else (None if not guard.history else [0] * CHART_HOURS),
         series=series,
+        reaped=reaped[0] if reaped else None,
         truncated=len(rows) >= ROWS,
         chart_truncated=len(events) >= CHART_EVENTS,
     )
