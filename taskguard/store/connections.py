@@ -41,6 +41,9 @@ from taskguard.urls import mask_url, parse_url
 
 __all__ = ["Executor", "create_lock_engine"]
 
+#: No deadline (a watch disarmed).
+_INF = math.inf
+
 
 def create_lock_engine(url: str | URL, *, durable: bool = True, **kwargs: Any) -> Engine:
     """An engine configured for lock statements: autocommit, plus whatever the
@@ -178,10 +181,8 @@ class Executor:
         :meth:`watchdog.keep <taskguard.deadline._Watchdog.keep>`), the statement
         run, the watch disarmed; an error classified by :meth:`_failed`.
         """
-        now = time.monotonic()
-        # The default statement limit is read here (not imported): tests shorten it.
-        cap = now + limits.DEFAULT_STATEMENT_LIMIT
-        until = min(cap, deadline or math.inf, _DEADLINE.get() or math.inf)
+        now = time.monotonic()  # the default limit read here: tests shorten it
+        until = min(now + limits.DEFAULT_STATEMENT_LIMIT, deadline or _INF, _DEADLINE.get() or _INF)
         if until <= now:
             raise DatabaseUnavailable(
                 f"time limit for this call reached before a statement to {self.url} was sent",
@@ -190,10 +191,9 @@ class Executor:
             )
         conn = getattr(self._local, "pinned", None) or self._connection(until, deadline)
         watch = conn.watch
-        if watch is not None:
-            watch.deadline = until
-            if until < watchdog.wake_at:
-                watchdog.poke()
+        watch.deadline = until
+        if until < watchdog.wake_at:
+            watchdog.poke()
         if stmt.unprepared is not None and not conn.prepares:
             stmt = stmt.unprepared  # behind a pooler: no named statements
         try:
@@ -204,15 +204,14 @@ class Executor:
                 raise
             raise failed from exc
         finally:
-            if watch is not None:
-                watch.deadline = math.inf
+            watch.deadline = _INF
             if conn.borrowed:
                 self._give_back(conn)
 
     def _failed(self, exc: BaseException, conn: _Conn) -> BaseException:
         """What a statement's error becomes; a connection it broke, or whose socket
         the watchdog shut down, is dropped first (never reused mid-statement)."""
-        fired = conn.watch is not None and conn.watch.fired
+        fired = conn.watch.fired
         raw = getattr(conn.conn, "dbapi_connection", None)
         error = self._sa.loaded_dbapi.Error
         if fired or (isinstance(exc, error) and self._sa.is_disconnect(exc, raw, conn.cursor)):
@@ -317,8 +316,8 @@ def _execute(
     cur: Any, stmt: Statement, params: Any, values: Mapping[str, Any]
 ) -> tuple[list[tuple[Any, ...]], int]:
     cur.execute(stmt.sql, params)
-    known = stmt.returns_rows
-    rows = list(cur.fetchall()) if known or (known is None and cur.description) else []
+    # returns_rows None: unknown (text), read from the cursor.
+    rows = [*cur.fetchall()] if (k := stmt.returns_rows) or (k is None and cur.description) else []
     if stmt.then is not None and cur.rowcount > 0:
         # No UPDATE … RETURNING (MariaDB): read the rows back on the same connection.
         count = cur.rowcount
@@ -339,7 +338,8 @@ def _give_back(conn: Any) -> None:
 
 class _Conn:
     """A pool connection and its cursor, borrowed for one statement, with the watch
-    on its socket (None: no socket to watch, e.g. SQLite), armed per statement."""
+    on its socket, armed per statement (one the watchdog never sees where there is no
+    socket to watch, e.g. SQLite)."""
 
     __slots__ = ("conn", "cursor", "prepares", "watch")
     #: Given back after its statement (a :class:`_Pinned` one is kept by its thread).
@@ -350,13 +350,12 @@ class _Conn:
         self.cursor = conn.dbapi_connection.cursor()
         #: Whether named statements are kept (else :attr:`Statement.unprepared` is sent).
         self.prepares = dialect.prepares(self.cursor)
-        self.watch = watchdog.keep(dialect.socket_of(conn.dbapi_connection))
+        self.watch = watchdog.keep(dialect.socket_of(conn.dbapi_connection)) or Watch(_INF, -1)
 
     def drop(self, exc: BaseException | None = None) -> None:
         """Its watch out of the watchdog first (the socket's fd may be reused), then
         the connection back to the pool, or invalidated (``exc``: it broke)."""
         watchdog.stop(self.watch)
-        self.watch = None
         conn, self.conn = self.conn, None
         if conn is None:
             return
@@ -386,7 +385,6 @@ class _Pinned(_Conn):
 
     def forget(self) -> None:
         """After fork: the socket is the parent's; keep it referenced, never touch it."""
-        self.watch = None
         self._finalizer.detach()
         _INHERITED.append(self.conn)
         self.conn = None
