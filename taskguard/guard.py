@@ -326,8 +326,7 @@ class TaskGuard(AsyncLeases):
         ):
             return True
         ended, by_statement = self._store.release(lease, marker)
-        if by_statement:  # else read back: not known to have ended by this call
-            self._history.released(lease, ended, reason)
+        self._history.released(lease, ended, by_statement, reason)
         return ended
 
     def record_event(self, key: str, event: str, detail: str, **holder: Any) -> None:

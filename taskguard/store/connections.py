@@ -190,8 +190,7 @@ class Executor:
                 False,
             )
         conn = getattr(self._local, "pinned", None) or self._connection(until, deadline)
-        watch = conn.watch
-        watch.deadline = until
+        conn.watch.deadline = until
         if until < watchdog.wake_at:
             watchdog.poke()
         if stmt.unprepared is not None and not conn.prepares:
@@ -204,7 +203,7 @@ class Executor:
                 raise
             raise failed from exc
         finally:
-            watch.deadline = _INF
+            conn.watch.deadline = _INF  # also when dropped: the watch stays its object
             if conn.borrowed:
                 self._give_back(conn)
 

@@ -228,9 +228,11 @@ class Recorder:
         key, slot, owner = values["key"], values["slot"], values["owner"]
         self._log.record("conflict", key, slot, owner, None, holder, duration=waited, detail=detail)
 
-    def released(self, lease: Lease, ended: bool, reason: str | None) -> None:
-        """A release's outcome: ``released``, or ``lost`` (found ended at release)."""
-        self._log.ended(lease, "released" if ended else "lost", "at release", reason)
+    def released(self, lease: Lease, ended: bool, by_statement: bool, reason: str | None) -> None:
+        """A release's outcome: ``released``, or ``lost`` (found ended at release);
+        nothing when it was read back (``by_statement`` False: not known to be ours)."""
+        if by_statement:
+            self._log.ended(lease, "released" if ended else "lost", "at release", reason)
 
     def lost(self, lease: Lease) -> None:
         """A renewal found the lease ended."""
