@@ -290,14 +290,13 @@ class Executor:
         """A borrowed connection back to the pool (unless it was dropped), its
         isolation level restored, and the thread's turn ended."""
         try:
-            with contextlib.suppress(Exception):
-                conn.cursor.close()
+            conn.cursor.close()
             raw = getattr(conn.conn, "dbapi_connection", None)
             if self._toggle_autocommit and raw is not None:
                 with contextlib.suppress(Exception):
                     self._sa.reset_isolation_level(raw)
-            conn.drop()
         finally:
+            conn.drop()
             if self._serial is not None:
                 self._serial.release()
 
@@ -349,7 +348,7 @@ class _Conn:
         self.cursor = conn.dbapi_connection.cursor()
         #: Whether named statements are kept (else :attr:`Statement.unprepared` is sent).
         self.prepares = dialect.prepares(self.cursor)
-        self.watch = watchdog.keep(dialect.socket_of(conn.dbapi_connection)) or Watch(_INF, -1)
+        self.watch = watchdog.keep(dialect.socket_of(conn.dbapi_connection))
 
     def drop(self, exc: BaseException | None = None) -> None:
         """Its watch out of the watchdog first (the socket's fd may be reused), then
