@@ -153,12 +153,12 @@ class _Watchdog:
         seconds = DEFAULT_STATEMENT_LIMIT if limit is None else limit
         return self._add(Watch(min(time.monotonic() + seconds, _DEADLINE.get() or math.inf), fd))
 
-    def keep(self, fd: int | None) -> Watch | None:
+    def keep(self, fd: int | None) -> Watch:
         """A watch for a connection's socket, unarmed. Arm it per statement by setting
         its ``deadline`` (and :meth:`poke` the thread when that is before
         :attr:`wake_at`), disarm it by setting ``math.inf``; :meth:`stop` it before the
-        connection closes."""
-        return None if fd is None or fd < 0 else self._add(Watch(math.inf, fd))
+        connection closes. ``fd=None`` (no socket, e.g. SQLite): one never watched."""
+        return Watch(math.inf, -1) if fd is None or fd < 0 else self._add(Watch(math.inf, fd))
 
     def _add(self, w: Watch) -> Watch:
         with self._lock:
@@ -173,14 +173,16 @@ class _Watchdog:
         return w
 
     def poke(self) -> None:
-        """Make the thread look at the deadlines again now."""
+        """Make the thread look at the deadlines again now (if it runs)."""
+        if self._thread is None:
+            return  # nothing watched (a watch added starts it)
         with self._lock:
             self._cond.notify()
 
     def stop(self, w: Watch | None) -> None:
         """The statement (or the kept connection) ended: never shut its socket down
         after this."""
-        if w is not None:
+        if w is not None and w.fd >= 0:  # else never watched (keep(None))
             # Under the lock: the thread never shuts a socket down after we left, when
             # the fd may already belong to another connection.
             with self._lock:

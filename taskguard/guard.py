@@ -18,7 +18,7 @@ from taskguard.companions import without_companions
 from taskguard.deadline import DEFAULT_CALL_TIMEOUT
 from taskguard.exceptions import InvalidKey, LockHeld
 from taskguard.fencing import FENCED, fence
-from taskguard.history import EVENTS, LockEvent, explain, secs, story
+from taskguard.history import EVENTS, LockEvent, explain, story
 from taskguard.keys import (
     MAX_LIMIT,
     adopter_for,
@@ -40,7 +40,7 @@ from taskguard.lease import (
     ReapResult,
     describe_holder,
 )
-from taskguard.store import Store
+from taskguard.store import Recorder, Store, Unrecorded
 from taskguard.urls import url_source
 from taskguard.waiting import wait_for
 
@@ -49,6 +49,9 @@ __all__ = ["DEFAULT_HISTORY_RETENTION", "MAX_LIMIT", "ReapResult", "TaskGuard"]
 log = logging.getLogger("taskguard")
 
 _HOSTNAME = socket.gethostname()
+#: Times a run's acquire is sent when its refusal found no holder (released before
+#: it could be read): :meth:`TaskGuard.take`.
+ATTEMPTS_WHEN_FREED = 3
 #: Lock history older than this is trimmed by the reaper (seconds: one week).
 DEFAULT_HISTORY_RETENTION = 7 * 24 * 3600.0
 # Cap on rows returned by held(); an operator listing more wants SQL, not a list.
@@ -103,6 +106,8 @@ class TaskGuard(AsyncLeases):
         self.durable = durable
         self.hostname = hostname or _HOSTNAME
         self.history = bool(history)
+        #: What the lock history records (decided here, once).
+        self._history = (Recorder if self.history else Unrecorded)(self._store.history)
         self.history_retention = validate_ttl(history_retention, name="history_retention")
 
     @property
@@ -251,9 +256,7 @@ class TaskGuard(AsyncLeases):
     ) -> Attempt:
         key = values["key"]
         if lease is not None:
-            if self.history:
-                detail = f"throttle window {secs(lease.min_hold)}" if lease.min_hold else None
-                self._store.history.acquired(lease, values, waited, detail)
+            self._history.acquired(lease, values, waited)
             return Attempt(lease, None)
         # The holder the refusing statement saw, where it reads one; else read now.
         current = seen or self._store.live_holder(key)
@@ -261,18 +264,8 @@ class TaskGuard(AsyncLeases):
             current = self._store.live_holder(values["unless"])
         gave_up = f" (gave up after waiting {waited:.3f}s)" if waited else ""
         log.info("lock %r is held by %s%s", key, describe_holder(current), gave_up)
-        if self.history and record_refusal:
-            what = f"held by {describe_holder(current)}"
-            self._store.history.record(
-                "conflict",
-                key,
-                values["slot"],
-                values["owner"],
-                None,
-                holder,
-                duration=waited,
-                detail=f"gave up; {what}" if waited else what,
-            )
+        if record_refusal:
+            self._history.refused(values, holder, waited, current)
         return Attempt(None, current)
 
     def release(
@@ -301,15 +294,22 @@ class TaskGuard(AsyncLeases):
         unless: str | None = None,
         record_refusal: bool = True,
         slot: int = 0,
+        _tries: int = ATTEMPTS_WHEN_FREED,
     ) -> Attempt:
         """:meth:`try_acquire` of one slot for an integration's run, whose key is
         stored form (:func:`~taskguard.keys.normalize_key`), ``seconds`` validated and
-        ``holder`` complete: nothing is validated again (this is every run's path)."""
+        ``holder`` complete: nothing is validated again (this is every run's path). A
+        refusal whose holder released before it could be read is tried again (the key
+        is likely free now), :data:`ATTEMPTS_WHEN_FREED` times in all."""
         values = self._store.grant_values(key, slot, new_owner(), seconds, holder, 1, unless)
         lease, seen = self._store.grant_seeing(values, seconds)
-        if lease is not None and not self.history:
-            return Attempt(lease, None)
-        return self._outcome(lease, values, holder, None, seen, record_refusal)
+        if lease is None:
+            attempt = self._outcome(lease, values, holder, None, seen, record_refusal)
+            if attempt.holder is None and _tries > 1:
+                return self.take(key, seconds, holder, unless, record_refusal, slot, _tries - 1)
+            return attempt
+        self._history.acquired(lease, values)
+        return Attempt(lease, None)
 
     def give_back(
         self, lease: Lease, marker: Marker | None = None, reason: str | None = None
@@ -326,26 +326,22 @@ class TaskGuard(AsyncLeases):
         ):
             return True
         ended, by_statement = self._store.release(lease, marker)
-        return self._recorded(lease, ended, reason) if by_statement and self.history else ended
-
-    def _recorded(self, lease: Lease, ended: bool, reason: str | None) -> bool:
-        self._store.history.ended(lease, "released" if ended else "lost", "at release", reason)
+        self._history.released(lease, ended, by_statement, reason)
         return ended
 
     def record_event(self, key: str, event: str, detail: str, **holder: Any) -> None:
         """With history on, record an event of an integration's (``"coalesced"``: a
         submission merged into a pending run); ``holder``: as :meth:`acquire`'s."""
-        if self.history:
-            who = holder_for(self.hostname, **holder)
-            self._store.history.record(event, normalize_key(key), 0, None, None, who, detail=detail)
+        who = holder_for(self.hostname, **holder)
+        self._history.event(normalize_key(key), event, detail, who)
 
     def renew(self, lease: Lease, ttl: float | timedelta | None = None) -> bool:
         """Extend the lease to ``ttl`` (default: its original ttl) from now, by the
         database clock. Updates ``lease.expires_at``. ``False`` if it is no longer ours."""
         seconds = lease.ttl if ttl is None else validate_ttl(ttl)
         outcome = self._store.renew(lease, seconds)
-        if outcome == "lost" and self.history:
-            self._store.history.ended(lease, "lost", "at renewal")
+        if outcome == "lost":
+            self._history.lost(lease)
         return outcome == "renewed"
 
     def adopt(
@@ -384,8 +380,8 @@ class TaskGuard(AsyncLeases):
         over in a message), whose key is stored form, ``seconds`` validated and
         ``holder`` complete: nothing is validated again (every hand-off's path)."""
         lease = self._store.adopt(key, owner, slot, seconds, min_hold, (new_owner(), holder))
-        if lease is not None and self.history:
-            self._store.history.handed_over(owner, lease, holder)
+        if lease is not None:
+            self._history.handed_over(owner, lease, holder)
         return lease
 
     def fence(self, lease: Lease, session: Any) -> int:
@@ -455,8 +451,7 @@ class TaskGuard(AsyncLeases):
         if ended:
             who = f" by {by}" if by else ""
             log.warning("force-released %r%s (%d live lease(s))", key, who, len(ended))
-            if self.history or by:
-                self._store.history.force_released(key, ended, by)
+            self._history.force_released(key, ended, by)
         return bool(ended)
 
     def reap(
@@ -484,14 +479,13 @@ class TaskGuard(AsyncLeases):
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         removed, batches = self._store.reap(
-            grace_s, batch_size, max_batches, self.history, progress
+            grace_s, batch_size, max_batches, self._history.reaped_to, progress
         )
         if removed:
             log.info("reaped %d expired lock row(s) in %d batch(es)", removed, batches)
-        if self.history or by:
-            self._store.history.reap_ran(removed, batches, by)
-        if self.history:
-            self.trim_history(batch_size=batch_size)
+        self._history.reap_ran(
+            removed, batches, by, lambda: self.trim_history(batch_size=batch_size)
+        )
         return ReapResult(removed, batches)
 
     def trim_history(

@@ -43,7 +43,7 @@ from taskguard.celery.message import Header, Submission, stored_task_id
 from taskguard.companions import FINISHED_PREFIX
 from taskguard.config import setting
 from taskguard.exceptions import TaskGuardError
-from taskguard.guard import TaskGuard
+from taskguard.guard import ATTEMPTS_WHEN_FREED, TaskGuard
 from taskguard.keys import MAX_TTL, normalize_key, validate_ttl
 from taskguard.lease import Holder, Lease, LockInfo, Marker
 
@@ -70,11 +70,6 @@ def clamp_ttl(seconds: float) -> float:
     return min(MAX_TTL, max(seconds, 0.001))
 
 
-#: A conflict whose holder was gone when it was read means the key had just been
-#: released: it is tried again this many times (then reported with holder None).
-ATTEMPTS_WHEN_FREED = 3
-
-
 def acquire_or_holder(
     guard: TaskGuard, key: str, ttl: float, holder: Holder | None = None, **details: Any
 ) -> tuple[Lease | None, LockInfo | None]:
@@ -83,13 +78,12 @@ def acquire_or_holder(
     arguments); given a complete ``holder`` instead (and ``key``, ``ttl`` in stored
     form), by one :meth:`TaskGuard.take`, which validates nothing again. A conflict
     whose holder released before it could be read is tried again (the key is likely
-    free now)."""
+    free now), as :meth:`TaskGuard.take` does."""
+    if holder is not None:
+        attempt = guard.take(key, ttl, holder)
+        return attempt.lease, attempt.holder
     for _ in range(ATTEMPTS_WHEN_FREED):
-        attempt = (
-            guard.try_acquire(key, ttl, **details)
-            if holder is None
-            else guard.take(key, ttl, holder)
-        )
+        attempt = guard.try_acquire(key, ttl, **details)
         if attempt.lease is not None or attempt.holder is not None:
             break
     return attempt.lease, attempt.holder

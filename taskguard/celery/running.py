@@ -153,11 +153,6 @@ class Run(Hold):
         """The key was held: a finished copy is dropped, a pending run waits, anything
         else is a conflict."""
         task, request, key = self.task, self.request, self.key
-        if holder is None and self.opts.plain and waited is None:
-            # A holder that released before it could be read: the key is likely free.
-            lease, holder, waited = self._take(self.ttl)
-            if lease is not None:
-                return self._start(lease, waiting, taken=True)
         if self.done is not None and holder is not None and holder.key == self.done:
             if waiting is not None:  # [coalesce/debounce] not a run that will happen
                 release_quietly(self.guard, waiting)

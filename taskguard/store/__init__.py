@@ -27,13 +27,15 @@ from taskguard.lease import Holder, Lease, LockInfo, Marker
 from taskguard.store import infos, reaping
 from taskguard.store.connections import Executor, create_lock_engine
 from taskguard.store.errors import translate_error
-from taskguard.store.events import EventLog
+from taskguard.store.events import EventLog, Recorder, Unrecorded
 from taskguard.store.waiters import Waiters, WaitRow
 
 __all__ = [
     "EventLog",
+    "Recorder",
     "RenewOutcome",
     "Store",
+    "Unrecorded",
     "WaitRow",
     "Waiters",
     "create_lock_engine",
@@ -141,33 +143,42 @@ class Store:
     ) -> tuple[Lease | None, LockInfo | None]:
         """:meth:`grant` of one slot and, when refused, the live holder of the key (of
         ``unless`` if the key is free) where the attempt read it anyway: by the acquire
-        statement itself, or by the check of ``unless``; else ``None`` (read it).
-
-        The common case first, inline: the lean acquire (no waiter, no refusal), which
-        grants nothing wherever the full one might decide otherwise; then the full one
-        decides (and reads the holder), and the key's next attempts go to it at once."""
+        statement itself, or by the check of ``unless``; else ``None`` (read it)."""
         sent = time.monotonic()  # the lease's local clock starts here (Lease.confirmed_at)
-        deadline = sent + self.call_timeout
-        lean = self._lean[values["unless"] is not None]
-        if lean is not None and values["key"] not in self._contended:
+        return self._grant(values, 1, seconds, hold, sent, sent + self.call_timeout)
+
+    def _grant(
+        self,
+        values: dict[str, Any],
+        limit: int,
+        ttl: float,
+        hold: float,
+        sent: float,
+        deadline: float | None = None,
+    ) -> tuple[Lease | None, LockInfo | None]:
+        """Every grant attempt. The lean acquire first where it applies (one slot, a
+        key not known as contended): it grants nothing wherever the full one might
+        decide otherwise (a waiter, a refusal). Then the full one decides and reads the
+        holder, and the key's next attempts go to it at once. ``deadline``: the call's
+        (else the context's: :func:`~taskguard.deadline.bounded`)."""
+        key, owner, slot, failed = values["key"], values["owner"], values["slot"], None
+        lean = self._lean[values["unless"] is not None] if limit == 1 else None
+        if lean is not None and key not in self._contended:
             try:
                 rows = self.run(lean, values, deadline)[0]
             except (OutcomeUnknown, DatabaseUnavailable) as exc:
-                full = _Acquire(self._full(values, 1), values, 1, seconds, hold, sent)
-                with call_limit(deadline - time.monotonic()):
-                    return self._failed_grant(exc, full)
+                rows, failed = [], exc
             if rows:
                 (token, at, until), conv = rows[0], self._conv
-                key, owner, slot = values["key"], values["owner"], values["slot"]
-                lease = Lease(
-                    key, owner, int(token), conv(at), conv(until), seconds, slot, hold, sent
-                )
+                lease = Lease(key, owner, int(token), conv(at), conv(until), ttl, slot, hold, sent)
                 return lease, None
-            if len(self._contended) >= CONTENDED_KEYS:
-                self._contended.clear()  # forgotten: the lean one goes first again
-            self._contended.add(values["key"])
-        with call_limit(deadline - time.monotonic()):
-            return self._grant(values, 1, seconds, hold, sent)
+            if failed is None:
+                if len(self._contended) >= CONTENDED_KEYS:
+                    self._contended.clear()  # forgotten: the lean one goes first again
+                self._contended.add(key)
+        with call_limit(deadline - time.monotonic()) if deadline else contextlib.nullcontext():
+            full = _Acquire(self._full(values, limit), values, limit, ttl, hold, sent)
+            return self._failed_grant(failed, full) if failed else self._full_grant(full)
 
     def _full(self, values: dict[str, Any], limit: int) -> Statement:
         sql = self._sql
@@ -179,15 +190,13 @@ class Store:
             else sql.acquire
         )
 
-    def _grant(
-        self, values: dict[str, Any], limit: int, seconds: float, hold: float, sent: float
-    ) -> tuple[Lease | None, LockInfo | None]:
+    def _full_grant(self, full: _Acquire) -> tuple[Lease | None, LockInfo | None]:
         """The full acquire (the lean one was tried, or does not apply)."""
+        values, limit = full.values, full.limit
         key, unless = values["key"], values.get("unless")
         unread = limit > 1 or self._sql.acquire_unless is None  # unless= not in the statement
         if unless is not None and unread and (marker := self.live_holder(unless)) is not None:
             return None, (self.live_holder(key) or marker) if limit == 1 else None
-        full = _Acquire(self._full(values, limit), values, limit, seconds, hold, sent)
         try:
             rows, _ = self.run(full.stmt, values)
         except (OutcomeUnknown, DatabaseUnavailable) as exc:
@@ -476,11 +485,10 @@ class Store:
         grace: float,
         batch_size: int,
         max_batches: int | None,
-        history: bool,
+        log_to: EventLog | None,
         progress: Callable[[int], Any] | None,
     ) -> tuple[int, int]:
         """Delete rows whose lease ended more than ``grace`` seconds ago, one short
-        transaction per batch; (removed, batches)."""
-        log_to = self.history if history else None
+        transaction per batch, recording each in ``log_to``; (removed, batches)."""
         args = (grace, batch_size, max_batches, progress)
         return reaping.reap(self.run, self._sql, self.dialect, log_to, *args)

@@ -20,29 +20,29 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from sqlalchemy import URL, Engine, create_engine, event
 from sqlalchemy import exc as sa_exc
 
+import taskguard.deadline as limits
 from taskguard.deadline import (
     _DEADLINE,
-    DEFAULT_STATEMENT_LIMIT,
     Watch,
-    call_limit,
     current_deadline,
     watchdog,
     within,
 )
 from taskguard.dialects import Dialect, Statement, dialect_for, dialect_for_url
-from taskguard.exceptions import ConfigurationError, DatabaseUnavailable, TaskGuardError
+from taskguard.exceptions import ConfigurationError, DatabaseUnavailable
 from taskguard.store.errors import translate_error
 from taskguard.urls import mask_url, parse_url
 
-_T = TypeVar("_T")
-
 __all__ = ["Executor", "create_lock_engine"]
+
+#: No deadline (a watch disarmed).
+_INF = math.inf
 
 
 def create_lock_engine(url: str | URL, *, durable: bool = True, **kwargs: Any) -> Engine:
@@ -145,10 +145,8 @@ class Executor:
         self.url = mask_url(self.engine.url)
         self._sa = self.engine.dialect
         self.dialect: Dialect = dialect_for(self._sa.name)
-        self._serial: contextlib.AbstractContextManager[Any] = (
-            threading.Lock()
-            if self.dialect.serializes_threads(self.engine.url)
-            else contextlib.nullcontext()
+        self._serial = (
+            threading.Lock() if self.dialect.serializes_threads(self.engine.url) else None
         )
         # On its own engine the guard keeps one connection (and cursor) checked out per
         # thread: a pool checkout + return per statement was most of taskguard's Python
@@ -169,136 +167,67 @@ class Executor:
             self_ref = weakref.ref(self)
             os.register_at_fork(after_in_child=lambda: _forget_pinned_after_fork(self_ref))
 
-    @contextlib.contextmanager
-    def _borrow(self) -> Iterator[Any]:
-        try:
-            conn = self.engine.raw_connection()
-        except Exception as exc:
-            raise translate_error(exc, self.url, self.dialect, sent=False) from exc
-        try:
-            if self._toggle_autocommit and conn.dbapi_connection is not None:
-                self._sa.set_isolation_level(conn.dbapi_connection, "AUTOCOMMIT")
-            yield conn
-        except BaseException as exc:
-            if isinstance(exc, self._sa.loaded_dbapi.Error) and self._sa.is_disconnect(
-                exc, conn.dbapi_connection, None
-            ):
-                conn.invalidate(exc)
-                self._flush_pool()
-            raise
-        finally:
-            if self._toggle_autocommit and conn.dbapi_connection is not None:
-                with contextlib.suppress(Exception):
-                    self._sa.reset_isolation_level(conn.dbapi_connection)
-            conn.close()
-
     def run(
         self, stmt: Statement, values: Mapping[str, Any], deadline: float | None = None
     ) -> tuple[list[tuple[Any, ...]], int]:
         """Execute one statement in its own autocommit transaction, ended by
-        ``deadline`` (``time.monotonic()``; also by the context's, :mod:`taskguard.
-        deadline`; default: :data:`~taskguard.deadline.DEFAULT_STATEMENT_LIMIT`).
+        ``deadline`` (``time.monotonic()``), by the context's (:mod:`taskguard.
+        deadline`) and by :data:`~taskguard.deadline.DEFAULT_STATEMENT_LIMIT`,
+        whichever comes first.
 
-        Returns the rows (if any) and the affected row count.
+        Returns the rows (if any) and the affected row count. It runs on this
+        thread's pinned connection, else on one borrowed for it (:meth:`_connection`),
+        the same way: the connection's watch armed with the deadline (see
+        :meth:`watchdog.keep <taskguard.deadline._Watchdog.keep>`), the statement
+        run, the watch disarmed; an error classified by :meth:`_failed`.
         """
-        pinned = getattr(self._local, "pinned", None)
-        if stmt.unprepared is not None or pinned is None or pinned.watch is None:
-            limit = (
-                call_limit(deadline - time.monotonic()) if deadline else contextlib.nullcontext()
-            )
-            with limit:
-                if stmt.unprepared is not None:
-                    return self._on_cursor(_execute_either, stmt, values, self.dialect.prepares)
-                return self._on_cursor(_execute, stmt, stmt.params(values), values)
-        # This thread's pinned connection (the common case), inline: its watch armed
-        # (see watchdog.keep), the statement run, the watch disarmed.
-        watch, now = pinned.watch, time.monotonic()
-        until = min(deadline or now + DEFAULT_STATEMENT_LIMIT, _DEADLINE.get() or math.inf)
+        now = time.monotonic()  # the default limit read here: tests shorten it
+        until = min(now + limits.DEFAULT_STATEMENT_LIMIT, deadline or _INF, _DEADLINE.get() or _INF)
         if until <= now:
-            raise self._too_late()
-        watch.deadline = until
+            raise DatabaseUnavailable(
+                f"time limit for this call reached before a statement to {self.url} was sent",
+                self.url,
+                False,
+            )
+        conn = getattr(self._local, "pinned", None) or self._connection(until, deadline)
+        conn.watch.deadline = until
         if until < watchdog.wake_at:
             watchdog.poke()
+        if stmt.unprepared is not None and not conn.prepares:
+            stmt = stmt.unprepared  # behind a pooler: no named statements
         try:
-            rows = _execute(pinned.cursor, stmt, stmt.params(values), values)
-        except Exception as exc:
-            watch.deadline = math.inf  # before the connection is dropped: its fd may be reused
-            failed = self._failed(exc, pinned, watch)
+            return _execute(conn.cursor, stmt, stmt.params(values), values)
+        except BaseException as exc:
+            failed = self._failed(exc, conn)
             if failed is exc:
                 raise
             raise failed from exc
-        watch.deadline = math.inf
-        return rows
+        finally:
+            conn.watch.deadline = _INF  # also when dropped: the watch stays its object
+            if conn.borrowed:
+                self._give_back(conn)
 
-    def _too_late(self) -> DatabaseUnavailable:
-        return DatabaseUnavailable(
-            f"time limit for this call reached before a statement to {self.url} was sent",
-            self.url,
-            False,
-        )
-
-    def _failed(self, exc: Exception, pinned: _Pinned, watch: Watch | None) -> Exception:
-        """What a statement's error on the pinned connection becomes (a broken
-        connection is dropped first)."""
-        if not isinstance(exc, self._sa.loaded_dbapi.Error):
-            return exc
-        if (watch is not None and watch.fired) or self._sa.is_disconnect(
-            exc, pinned.conn.dbapi_connection, pinned.cursor
-        ):
-            self._local.pinned = None
-            pinned.drop(exc)
+    def _failed(self, exc: BaseException, conn: _Conn) -> BaseException:
+        """What a statement's error becomes; a connection it broke, or whose socket
+        the watchdog shut down, is dropped first (never reused mid-statement)."""
+        fired = conn.watch.fired
+        raw = getattr(conn.conn, "dbapi_connection", None)
+        error = self._sa.loaded_dbapi.Error
+        if fired or (isinstance(exc, error) and self._sa.is_disconnect(exc, raw, conn.cursor)):
+            self._local.pinned = None  # a borrowed one's thread pins none
+            conn.drop(exc)
             self._flush_pool()
-        return self._timed_out(watch) or translate_error(exc, self.url, self.dialect)
-
-    def _on_cursor(self, work: Callable[..., _T], *args: Any) -> _T:
-        deadline = current_deadline()
-        if deadline is not None and time.monotonic() >= deadline:
-            raise self._too_late()
-        watch: Watch | None = None
-        pinned = self._pinned_connection() if self._pin_limit else None
-        if pinned is not None:
-            watch = watchdog.start(pinned.fd)
-            try:
-                try:
-                    return work(pinned.cursor, *args)
-                finally:
-                    watchdog.stop(watch)  # before the connection is dropped: its fd may be reused
-            except Exception as exc:
-                failed = self._failed(exc, pinned, watch)
-                if failed is exc:
-                    raise
-                raise failed from exc
-        with self._serial:
-            try:
-                with self._borrow() as conn:
-                    cur = conn.cursor()
-                    try:
-                        with watchdog.watch(self.dialect.socket_of(conn.dbapi_connection)) as watch:
-                            return work(cur, *args)
-                    except BaseException as exc:
-                        if watch is not None and watch.fired:
-                            conn.invalidate(exc)  # abandoned mid-statement: never reuse
-                        raise
-                    finally:
-                        cur.close()
-            except TaskGuardError:
-                raise
-            except Exception as exc:
-                if isinstance(exc, (self._sa.loaded_dbapi.Error, sa_exc.SQLAlchemyError)):
-                    raise self._timed_out(watch) or translate_error(
-                        exc, self.url, self.dialect
-                    ) from exc
-                raise
-
-    def _timed_out(self, watch: Watch | None) -> DatabaseUnavailable | None:
-        if watch is None or not watch.fired:
-            return None
-        return DatabaseUnavailable(
-            f"lock database {self.url} did not answer in time: the statement was abandoned "
-            "(its connection shut down, never cancelled: a cancelled commit can still stand)",
-            self.url,
-            True,
-        )
+        if not isinstance(exc, error):
+            return exc
+        if fired:
+            return DatabaseUnavailable(
+                f"lock database {self.url} did not answer in time: the statement was "
+                "abandoned (its connection shut down, never cancelled: a cancelled commit "
+                "can still stand)",
+                self.url,
+                True,
+            )
+        return translate_error(exc, self.url, self.dialect)
 
     def _flush_pool(self) -> None:
         # One dead connection usually means the server dropped them all (restart,
@@ -306,11 +235,17 @@ class Executor:
         if self.owns_engine:
             self.engine.dispose()
 
-    def _pinned_connection(self) -> _Pinned | None:
-        pinned: _Pinned | None = getattr(self._local, "pinned", None)
-        if pinned is not None and pinned.conn is not None:
-            return pinned
-        return self._pin()
+    def _connection(self, until: float, deadline: float | None) -> _Conn:
+        """A connection for this thread to pin (at most ``pool_size`` threads pin one,
+        so a big threads pool never starves the pool), else one borrowed for one
+        statement; opened by ``until``."""
+        token = _DEADLINE.set(until) if deadline is not None else None
+        try:
+            pinned = self._pin() if self._pin_limit else None
+            return pinned or self._borrow()
+        finally:
+            if token is not None:
+                _DEADLINE.reset(token)
 
     def _pin(self) -> _Pinned | None:
         with self._pin_lock:
@@ -325,11 +260,45 @@ class Executor:
         finally:
             with self._pin_lock:
                 self._opening -= 1
-        pinned = _Pinned(conn, self.dialect.socket_of(conn.dbapi_connection))
+        pinned = _Pinned(conn, self.dialect)
         with self._pin_lock:
             self._pinned.add(pinned)
         self._local.pinned = pinned
         return pinned
+
+    def _borrow(self) -> _Conn:
+        """A connection from the pool for one statement, in autocommit; threads that
+        must take turns (``serializes_threads``) hold their turn until it goes back."""
+        if self._serial is not None:
+            self._serial.acquire()
+        conn = None
+        try:
+            conn = self.engine.raw_connection()
+            if self._toggle_autocommit and conn.dbapi_connection is not None:
+                self._sa.set_isolation_level(conn.dbapi_connection, "AUTOCOMMIT")
+            return _Conn(conn, self.dialect)
+        except BaseException as exc:
+            if conn is not None:
+                _give_back(conn)
+            if self._serial is not None:
+                self._serial.release()
+            if isinstance(exc, Exception):
+                raise translate_error(exc, self.url, self.dialect, sent=False) from exc
+            raise
+
+    def _give_back(self, conn: _Conn) -> None:
+        """A borrowed connection back to the pool (unless it was dropped), its
+        isolation level restored, and the thread's turn ended."""
+        try:
+            conn.cursor.close()
+            raw = getattr(conn.conn, "dbapi_connection", None)
+            if self._toggle_autocommit and raw is not None:
+                with contextlib.suppress(Exception):
+                    self._sa.reset_isolation_level(raw)
+        finally:
+            conn.drop()
+            if self._serial is not None:
+                self._serial.release()
 
     def dispose(self) -> None:
         """Close pooled connections if the guard created the engine."""
@@ -345,22 +314,14 @@ def _execute(
     cur: Any, stmt: Statement, params: Any, values: Mapping[str, Any]
 ) -> tuple[list[tuple[Any, ...]], int]:
     cur.execute(stmt.sql, params)
-    known = stmt.returns_rows
-    rows = list(cur.fetchall()) if known or (known is None and cur.description) else []
+    # returns_rows None: unknown (text), read from the cursor.
+    rows = [*cur.fetchall()] if (k := stmt.returns_rows) or (k is None and cur.description) else []
     if stmt.then is not None and cur.rowcount > 0:
         # No UPDATE … RETURNING (MariaDB): read the rows back on the same connection.
         count = cur.rowcount
         cur.execute(stmt.then.sql, stmt.then.params(values))
         return list(cur.fetchall()), count
     return rows, cur.rowcount
-
-
-def _execute_either(
-    cur: Any, stmt: Statement, values: Mapping[str, Any], prepares: Callable[[Any], bool]
-) -> tuple[list[tuple[Any, ...]], int]:
-    if not prepares(cur) and stmt.unprepared is not None:
-        stmt = stmt.unprepared
-    return _execute(cur, stmt, stmt.params(values), values)
 
 
 def _unpin(conn: Any, watch: Watch | None) -> None:
@@ -373,28 +334,27 @@ def _give_back(conn: Any) -> None:
         conn.close()
 
 
-class _Pinned:
-    """One thread's checked-out connection and cursor. Returned to the pool when the
-    thread ends (its thread-local dies), on :meth:`drop`, or on dispose()."""
+class _Conn:
+    """A pool connection and its cursor, borrowed for one statement, with the watch
+    on its socket, armed per statement (one the watchdog never sees where there is no
+    socket to watch, e.g. SQLite)."""
 
-    __slots__ = ("__weakref__", "_finalizer", "conn", "cursor", "fd", "watch")
+    __slots__ = ("conn", "cursor", "prepares", "watch")
+    #: Given back after its statement (a :class:`_Pinned` one is kept by its thread).
+    borrowed = True
 
-    def __init__(self, conn: Any, fd: int | None) -> None:
+    def __init__(self, conn: Any, dialect: Dialect) -> None:
         self.conn: Any = conn
         self.cursor = conn.dbapi_connection.cursor()
-        #: The connection's socket (for the statement watchdog), read once.
-        self.fd = fd
-        #: Its watch, armed per statement (None: no socket to watch, e.g. SQLite).
-        self.watch = watchdog.keep(fd)
-        # A dead thread's pin: its watch leaves the watchdog before the socket closes.
-        self._finalizer = weakref.finalize(self, _unpin, conn, self.watch)
-        self._finalizer.atexit = False  # a forked child must never close its parent's socket
+        #: Whether named statements are kept (else :attr:`Statement.unprepared` is sent).
+        self.prepares = dialect.prepares(self.cursor)
+        self.watch = watchdog.keep(dialect.socket_of(conn.dbapi_connection))
 
     def drop(self, exc: BaseException | None = None) -> None:
+        """Its watch out of the watchdog first (the socket's fd may be reused), then
+        the connection back to the pool, or invalidated (``exc``: it broke)."""
         watchdog.stop(self.watch)
-        self.watch = None
         conn, self.conn = self.conn, None
-        self._finalizer.detach()
         if conn is None:
             return
         with contextlib.suppress(Exception):
@@ -403,9 +363,26 @@ class _Pinned:
             else:
                 conn.close()
 
+
+class _Pinned(_Conn):
+    """One thread's checked-out connection and cursor. Returned to the pool when the
+    thread ends (its thread-local dies), on :meth:`drop`, or on dispose()."""
+
+    __slots__ = ("__weakref__", "_finalizer")
+    borrowed = False
+
+    def __init__(self, conn: Any, dialect: Dialect) -> None:
+        super().__init__(conn, dialect)
+        # A dead thread's pin: its watch leaves the watchdog before the socket closes.
+        self._finalizer = weakref.finalize(self, _unpin, conn, self.watch)
+        self._finalizer.atexit = False  # a forked child must never close its parent's socket
+
+    def drop(self, exc: BaseException | None = None) -> None:
+        self._finalizer.detach()
+        super().drop(exc)
+
     def forget(self) -> None:
         """After fork: the socket is the parent's; keep it referenced, never touch it."""
-        self.watch = None
         self._finalizer.detach()
         _INHERITED.append(self.conn)
         self.conn = None

@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
 from taskguard.dialects import Dialect, LockSQL, Statement
 from taskguard.dialects.event_statements import KIND_SLOTS
 from taskguard.exceptions import TaskGuardError
-from taskguard.history import LockEvent
-from taskguard.lease import Holder, Lease
+from taskguard.history import LockEvent, secs
+from taskguard.lease import Holder, Lease, LockInfo, describe_holder
 from taskguard.store.connections import Executor
 
-__all__ = ["REAPER_KEY", "EventLog"]
+__all__ = ["REAPER_KEY", "EventLog", "Recorder", "Unrecorded"]
 
 log = logging.getLogger("taskguard")
 
@@ -196,3 +196,82 @@ class EventLog:
             self._db.run(stmt, values)
         except TaskGuardError as exc:
             log.warning("could not record lock history: %s", exc)
+
+
+#: Takes any arguments and does nothing, in C: a record call with history off costs
+#: no Python line on a run's path (``str.format`` ignores arguments it does not use).
+_NOTHING: Callable[..., Any] = "".format
+
+
+class Recorder:
+    """What a :class:`~taskguard.TaskGuard` with ``history=True`` records in the lock
+    history: every grant, conflict, release, loss, hand-over, force release and reaper
+    run. History off: :class:`Unrecorded`. The guard decides once which it has."""
+
+    #: Where a reap records the rows it removed (None: nowhere).
+    reaped_to: EventLog | None
+
+    def __init__(self, log: EventLog) -> None:
+        self._log = self.reaped_to = log
+
+    def acquired(
+        self, lease: Lease, values: Mapping[str, Any], waited: float | None = None
+    ) -> None:
+        detail = f"throttle window {secs(lease.min_hold)}" if lease.min_hold else None
+        self._log.acquired(lease, values, waited, detail)
+
+    def refused(
+        self, values: Mapping[str, Any], holder: Holder, waited: float | None, seen: LockInfo | None
+    ) -> None:
+        what = f"held by {describe_holder(seen)}"
+        detail = f"gave up; {what}" if waited else what
+        key, slot, owner = values["key"], values["slot"], values["owner"]
+        self._log.record("conflict", key, slot, owner, None, holder, duration=waited, detail=detail)
+
+    def released(self, lease: Lease, ended: bool, by_statement: bool, reason: str | None) -> None:
+        """A release's outcome: ``released``, or ``lost`` (found ended at release);
+        nothing when it was read back (``by_statement`` False: not known to be ours)."""
+        if by_statement:
+            self._log.ended(lease, "released" if ended else "lost", "at release", reason)
+
+    def lost(self, lease: Lease) -> None:
+        """A renewal found the lease ended."""
+        self._log.ended(lease, "lost", "at renewal")
+
+    def handed_over(self, from_owner: str, lease: Lease, holder: Holder) -> None:
+        self._log.handed_over(from_owner, lease, holder)
+
+    def event(self, key: str, event: str, detail: str, holder: Holder) -> None:
+        """An integration's event (``coalesced``)."""
+        self._log.record(event, key, 0, None, None, holder, detail=detail)
+
+    def force_released(
+        self, key: str, ended: list[tuple[int, str, int, Holder]], by: str | None
+    ) -> None:
+        self._log.force_released(key, ended, by)
+
+    def reap_ran(self, removed: int, batches: int, by: str | None, trim: Callable[[], Any]) -> None:
+        """A reaper run, then the history trimmed (``trim()``)."""
+        self._log.reap_ran(removed, batches, by)
+        trim()
+
+
+class Unrecorded(Recorder):
+    """History off: nothing is recorded but what an operator names (``by=`` of a
+    force release or a reaper run)."""
+
+    reaped_to = None
+    acquired = refused = released = lost = handed_over = event = _NOTHING
+
+    def __init__(self, log: EventLog) -> None:
+        self._log = log
+
+    def force_released(
+        self, key: str, ended: list[tuple[int, str, int, Holder]], by: str | None
+    ) -> None:
+        if by:
+            super().force_released(key, ended, by)
+
+    def reap_ran(self, removed: int, batches: int, by: str | None, trim: Callable[[], Any]) -> None:
+        if by:
+            self._log.reap_ran(removed, batches, by)
