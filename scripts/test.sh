@@ -6,9 +6,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/services.sh
 python3 -m pip install -q --disable-pip-version-check -e ".[dev]"
-# With no arguments, the whole suite on 4 processes, one test file per process at a
-# time (most tests wait on workers and servers, not on the CPU).
+# With no arguments, the whole suite on 4 processes (most tests wait on workers and
+# servers, not on the CPU): a test file per process at a time, the costliest first,
+# a file with a worker per store or pool split by worker (the root conftest.py).
 if [ $# -eq 0 ]; then
-    set -- -n 4 --dist loadfile
+    set -- -n 4 --dist loadgroup
 fi
 exec python3 -m pytest "$@"
