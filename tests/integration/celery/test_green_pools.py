@@ -1,5 +1,5 @@
 """Storms on Celery's green pools (issue 41, defect 5): a real ``-P eventlet`` and
-``-P gevent`` worker runs 200 submissions over 5 keys with ``on_conflict="skip"``
+``-P gevent`` worker runs 100 submissions over 5 keys with ``on_conflict="skip"``
 and with ``on_conflict="wait"``, locks in PostgreSQL (where waiters LISTEN). The
 bodies record their start and end in a table of their own (``tg_pending_runs``),
 the independent record this test reads: no two runs of one key overlap, every
@@ -29,7 +29,9 @@ from taskguard import is_skipped
 pytestmark = [pytest.mark.celery, pytest.mark.postgres, pytest.mark.slow]
 
 POOLS = ("eventlet", "gevent")
-SUBMISSIONS = 200
+#: 20 runs per key: the 20 green threads stay busy with waiters queued on every key for
+#: the whole storm (CI cut it from 200: the property needs many hand-overs, not more).
+SUBMISSIONS = 100
 KEYS = 5
 #: Seconds each body runs.
 BODY = 0.05
