@@ -19,11 +19,10 @@ from taskguard.exceptions import (
     SchemaMissing,
     TaskGuardError,
 )
-from taskguard.guard import ReapResult, TaskGuard
+from taskguard.guard import TaskGuard
 from taskguard.history import LockEvent
-from taskguard.keys import normalize_key, validate_ttl
 from taskguard.lease import Attempt, Holder, Lease, LockInfo, Marker
-from taskguard.models import TaskLock, TaskLockEvent, metadata
+from taskguard.models import metadata
 
 if TYPE_CHECKING:
     from taskguard.celery import (
@@ -57,12 +56,9 @@ __all__ = [
     "Marker",
     "OutcomeUnknown",
     "PermissionDenied",
-    "ReapResult",
     "SchemaMissing",
     "TaskGuard",
     "TaskGuardError",
-    "TaskLock",
-    "TaskLockEvent",
     "__version__",
     "check_lease",
     "current_lease",
@@ -70,10 +66,8 @@ __all__ = [
     "is_coalesced",
     "is_skipped",
     "metadata",
-    "normalize_key",
     "reap_expired_locks",
     "schedule_reaper",
-    "validate_ttl",
 ]
 
 # The Celery integration is imported on first use of one of its names (PEP 562):

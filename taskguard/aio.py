@@ -32,8 +32,8 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from taskguard.exceptions import LockHeld, TaskGuardError
-from taskguard.keys import normalize_key
 from taskguard.lease import Attempt, Lease
+from taskguard.validation import normalize_key
 from taskguard.waiting import abandoned
 
 __all__ = ["AsyncLeases"]

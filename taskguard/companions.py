@@ -22,8 +22,8 @@ import re
 from collections.abc import Callable, Sequence
 from itertools import count
 
-from taskguard.keys import normalize_key
 from taskguard.lease import LockInfo
+from taskguard.validation import normalize_key
 
 __all__ = [
     "ENDING",

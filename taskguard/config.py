@@ -58,7 +58,7 @@ DEFAULTS: dict[str, Any] = {
     "taskguard_wait_timeout": 300.0,
     # -- Celery glue (taskguard.celery) --------------------------------------------------
     #: Seconds a finished task id is remembered: a copy of its message delivered within
-    #: this window is dropped (taskguard.celery.leasing). Keep it above the broker's
+    #: this window is dropped (taskguard.celery.lease_calls). Keep it above the broker's
     #: redelivery window (Redis/SQS visibility_timeout) plus the longest task. 0: off.
     "taskguard_finished_retention": 7200.0,
     #: Seconds a guarded run that cannot reach the lock database before its body starts

@@ -19,18 +19,6 @@ from taskguard.deadline import DEFAULT_CALL_TIMEOUT
 from taskguard.exceptions import InvalidKey, LockHeld
 from taskguard.fencing import FENCED, fence
 from taskguard.history import EVENTS, LockEvent, explain, story
-from taskguard.keys import (
-    MAX_LIMIT,
-    adopter_for,
-    holder_for,
-    new_owner,
-    normalize_key,
-    normalize_prefix,
-    optional_seconds,
-    validate_limit,
-    validate_marker,
-    validate_ttl,
-)
 from taskguard.lease import (
     Attempt,
     Holder,
@@ -42,9 +30,20 @@ from taskguard.lease import (
 )
 from taskguard.store import Recorder, Store, Unrecorded
 from taskguard.urls import url_source
+from taskguard.validation import (
+    adopter_for,
+    holder_for,
+    new_owner,
+    normalize_key,
+    normalize_prefix,
+    optional_seconds,
+    validate_limit,
+    validate_marker,
+    validate_ttl,
+)
 from taskguard.waiting import wait_for
 
-__all__ = ["DEFAULT_HISTORY_RETENTION", "MAX_LIMIT", "ReapResult", "TaskGuard"]
+__all__ = ["ReapResult", "TaskGuard"]
 
 log = logging.getLogger("taskguard")
 
@@ -297,7 +296,7 @@ class TaskGuard(AsyncLeases):
         _tries: int = ATTEMPTS_WHEN_FREED,
     ) -> Attempt:
         """:meth:`try_acquire` of one slot for an integration's run, whose key is
-        stored form (:func:`~taskguard.keys.normalize_key`), ``seconds`` validated and
+        stored form (:func:`~taskguard.validation.normalize_key`), ``seconds`` validated and
         ``holder`` complete: nothing is validated again (this is every run's path). A
         refusal whose holder released before it could be read is tried again (the key
         is likely free now), :data:`ATTEMPTS_WHEN_FREED` times in all."""
@@ -378,7 +377,7 @@ class TaskGuard(AsyncLeases):
     ) -> Lease | None:
         """:meth:`adopt` with ``exclusive=True`` for an integration's run (a lease handed
         over in a message), whose key is stored form, ``seconds`` validated and
-        ``holder`` complete: nothing is validated again (every hand-off's path)."""
+        ``holder`` complete: nothing is validated again (every hand-over's path)."""
         lease = self._store.adopt(key, owner, slot, seconds, min_hold, (new_owner(), holder))
         if lease is not None:
             self._history.handed_over(owner, lease, holder)

@@ -9,21 +9,7 @@ from typing import Any, NamedTuple
 from taskguard.exceptions import HOLDER_GONE
 from taskguard.fencing import fence
 
-__all__ = [
-    "HOLDER_GONE",
-    "MARKER",
-    "SKIPPED",
-    "Attempt",
-    "Holder",
-    "Lease",
-    "LockInfo",
-    "Marker",
-    "ReapResult",
-    "describe_holder",
-    "is_marker",
-    "is_skipped",
-    "skipped_result",
-]
+__all__ = ["Attempt", "Holder", "Lease", "LockInfo", "Marker", "ReapResult", "describe_holder"]
 
 
 class Holder(NamedTuple):
@@ -226,37 +212,3 @@ class ReapResult(int):
         obj = super().__new__(cls, removed)
         obj.batches = batches
         return obj
-
-
-# -- a run's result when taskguard decided it ------------------------------------------
-
-#: The dict key that marks taskguard's own result values.
-MARKER = "__taskguard__"
-#: ``value[MARKER]`` of a skipped run.
-SKIPPED = "skipped"
-
-
-def skipped_result(
-    *, task: str, task_id: str | None, key: str, phase: str, holder: LockInfo | None
-) -> dict[str, Any]:
-    """The return value of a run skipped because its key was held (a plain dict, so
-    every result backend stores it): what was skipped, where, and who held the key."""
-    return {
-        MARKER: SKIPPED,
-        "task": task,
-        "task_id": task_id,
-        "key": key,
-        "phase": phase,
-        "holder": holder.to_dict() if holder is not None else None,
-    }
-
-
-def is_marker(value: object) -> bool:
-    """Whether ``value`` is one of taskguard's result markers (skipped, coalesced)."""
-    return isinstance(value, dict) and isinstance(value.get(MARKER), str)
-
-
-def is_skipped(value: object) -> bool:
-    """Whether a run's return value is the result of a run skipped because its key
-    was held (:func:`skipped_result`)."""
-    return isinstance(value, dict) and value.get(MARKER) == SKIPPED

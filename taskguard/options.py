@@ -23,13 +23,13 @@ from functools import cached_property
 from typing import Any
 
 from taskguard.exceptions import ConfigurationError, InvalidTTL
-from taskguard.keys import MAX_LIMIT, MAX_TTL, KeyDeriver, KeyOption, validate_limit, validate_ttl
+from taskguard.key_derivation import KeyDeriver, KeyOption
+from taskguard.validation import MAX_LIMIT, MAX_TTL, validate_limit, validate_ttl
 
 __all__ = [
     "CELERY",
     "MODES",
     "OPTION_NAMES",
-    "RATE_FORMS",
     "RULES",
     "Conflict",
     "Durations",
@@ -260,7 +260,7 @@ class GuardOptions:
     #: Longest wait of ``on_conflict="wait"``; ``None``: the ``taskguard_wait_timeout`` setting.
     wait_timeout: float | None = field(default=None, metadata=_checked_by(_seconds))
     #: Raise :class:`~taskguard.LeaseLost` inside the body once its lease is lost
-    #: (see taskguard.holding.Interrupter for what each pool can do).
+    #: (see taskguard.held_lease.Interrupter for what each pool can do).
     stop_on_lease_loss: bool = field(default=False, metadata=_checked_by(_flag))
     #: [rate] Per-key start rate, ``"N/period"`` such as ``"3/2s"`` or ``"10/m"``.
     rate: str | tuple[int, float] | Rate | None = field(default=None, metadata=_checked_by(_rate))

@@ -30,7 +30,7 @@ from taskguard import __version__, signals
 from taskguard import guard as guard_module
 from taskguard.exceptions import ConfigurationError
 from taskguard.guard import TaskGuard
-from taskguard.holding import active_run
+from taskguard.held_lease import active_run
 from taskguard.lease import Attempt, Lease, LockInfo
 
 __all__ = ["instrument", "uninstrument"]
@@ -106,7 +106,7 @@ class _Tracing:
 
     def attributes(self, key: str) -> dict[str, Any]:
         """The key (if asked for), and the phase and strategy of the guarded run
-        executing here (an integration's run: :func:`taskguard.holding.enter_run`)."""
+        executing here (an integration's run: :func:`taskguard.held_lease.enter_run`)."""
         found: dict[str, Any] = {"taskguard.lock.key": key} if self.record_keys else {}
         run = active_run()
         if run is not None:

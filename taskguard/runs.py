@@ -29,11 +29,12 @@ from taskguard.companions import FINISHED_PREFIX
 from taskguard.config import guard_for, setting
 from taskguard.exceptions import AlreadyLocked, OutcomeUnknown
 from taskguard.guard import TaskGuard
-from taskguard.holding import Hold, Interrupter, enter_run, exit_run, release_when_reachable
-from taskguard.holding import valid_until as local_deadline
-from taskguard.keys import holder_for, normalize_key, validate_ttl
-from taskguard.lease import Holder, Lease, LockInfo, Marker, describe_holder, skipped_result
+from taskguard.held_lease import Hold, Interrupter, enter_run, exit_run, release_when_reachable
+from taskguard.held_lease import valid_until as local_deadline
+from taskguard.lease import Holder, Lease, LockInfo, Marker, describe_holder
 from taskguard.options import Conflict, Durations, Framework, GuardOptions, durations
+from taskguard.results import skipped_result
+from taskguard.validation import holder_for, normalize_key, validate_ttl
 
 __all__ = [
     "Actions",

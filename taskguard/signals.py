@@ -41,7 +41,7 @@ lease_lost = Signal(name="taskguard.lease_lost")
 #: The reaper removed expired rows. kwargs: ``count``.
 locks_reaped = Signal(name="taskguard.locks_reaped")
 #: A copy of a message whose task id already finished was dropped without running
-#: (see taskguard.celery.leasing). kwargs: ``key``, ``task_id``.
+#: (see taskguard.celery.lease_calls). kwargs: ``key``, ``task_id``.
 late_copy_dropped = Signal(name="taskguard.late_copy_dropped")
 #: A start was put off without taking a worker slot: published again with a countdown.
 #: kwargs: ``key``, ``task_id``, ``reason`` ("rate": over ``rate=``; "busy": a

@@ -22,17 +22,10 @@ from typing import Any
 
 from taskguard import config
 from taskguard.guard import ReapResult, TaskGuard
-from taskguard.keys import new_owner
 from taskguard.lease import Attempt, Lease, LockInfo
+from taskguard.validation import new_owner
 
-__all__ = [
-    "LOCKING_ENV",
-    "NoLockGuard",
-    "UnlockedLease",
-    "apply_environment",
-    "locking_disabled",
-    "locking_off_requested",
-]
+__all__ = ["NoLockGuard", "apply_environment", "locking_disabled", "locking_off_requested"]
 
 log = logging.getLogger("taskguard")
 

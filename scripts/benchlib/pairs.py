@@ -223,7 +223,7 @@ def _maria_connect(url: str, driver: str = "mysqlclient") -> Any:
     import MySQLdb
     import pymysql
 
-    from taskguard.dialects.mysql import SESSION_SETUP
+    from taskguard.dialects.mariadb import SESSION_SETUP
 
     u = make_url(url)
     conn = (MySQLdb if driver == "mysqlclient" else pymysql).connect(

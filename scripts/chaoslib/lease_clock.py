@@ -38,7 +38,7 @@ from tests.harness.proxy import FaultProxy
 
 
 def _holder(url: str, key: str, ttl: float, conn: Any) -> None:
-    from taskguard.holding import Hold, check_lease, enter_run, exit_run
+    from taskguard.held_lease import Hold, check_lease, enter_run, exit_run
 
     guard, res = TaskGuard(url), Resource(url)
     lease = guard.acquire(key, ttl)

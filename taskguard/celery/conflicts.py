@@ -33,11 +33,12 @@ from taskguard import signals
 from taskguard.celery.deferral import defer, poll_countdown
 from taskguard.celery.message import Header, Submission, in_canvas, is_shortened
 from taskguard.exceptions import AlreadyLocked
-from taskguard.lease import LockInfo, describe_holder, skipped_result
+from taskguard.lease import LockInfo, describe_holder
 from taskguard.options import Conflict
+from taskguard.results import skipped_result
 from taskguard.runs import conflict_countdown, conflict_line
 
-__all__ = ["ACTIONS", "RETRY", "SKIP", "Strategy"]
+__all__ = ["ACTIONS", "RETRY", "Strategy"]
 
 log = logging.getLogger("taskguard.celery")
 

@@ -18,14 +18,14 @@ How long to wait: publish delays, retry delays, conflict and poll countdowns.
 A guarded run that cannot reach the lock database is tried again later.
 
 When the lock database cannot be reached before a run's body starts (its acquire,
-the hand-off of a queued lease, its pending place, its finished-record check: a
+the hand-over of a queued lease, its pending place, its finished-record check: a
 :class:`~taskguard.DatabaseUnavailable`, or an :class:`~taskguard.OutcomeUnknown`),
 the message is published again with a countdown (:func:`defer`:
 outside ``max_retries``), :data:`FIRST_DELAY` seconds doubling up to :data:`MAX_DELAY`,
 until ``taskguard_outage_retry_for`` seconds have passed since its first failure;
 after that the run fails with the error (FAILURE, one ERROR line) and gives back
 what it holds or was handed (the lease it took, the queued lease, the pending
-place), when the database answers again (:func:`~taskguard.holding.release_when_reachable`),
+place), when the database answers again (:func:`~taskguard.held_lease.release_when_reachable`),
 not when those leases expire. Nothing runs
 without its lock and nothing is dropped: each deferral is logged (WARNING) and sent
 as :data:`taskguard.signals.run_deferred` with reason ``"outage"`` (the metric
@@ -34,7 +34,7 @@ as :data:`taskguard.signals.run_deferred` with reason ``"outage"`` (the metric
 The copy carries the message's taskguard header on (a pending place, a debounce
 batch) and the lease this run may hold, which the copy adopts rather than waiting
 for it to expire: the one it took, when the outage came after that; when an
-acquire's or a hand-off's outcome was unknown, the owner id that may hold the key
+acquire's or a hand-over's outcome was unknown, the owner id that may hold the key
 (and the handed owner id as the alternative). A body that has started is never run again for this: an error it raises is
 its own. Eager runs (no broker to hold a countdown) raise the error at once.
 """
@@ -55,21 +55,11 @@ from taskguard import signals
 from taskguard.celery.message import HEADER, Handed, Header, carry
 from taskguard.config import setting
 from taskguard.exceptions import DatabaseUnavailable, OutcomeUnknown
-from taskguard.holding import release_when_reachable
-from taskguard.keys import validate_ttl
+from taskguard.held_lease import release_when_reachable
 from taskguard.lease import Lease, LockInfo
+from taskguard.validation import validate_ttl
 
-__all__ = [
-    "FIRST_DELAY",
-    "FIRST_POLL",
-    "MAX_DELAY",
-    "MAX_POLL",
-    "defer",
-    "poll_countdown",
-    "publish_delay",
-    "retry_delay",
-    "retry_later",
-]
+__all__ = ["defer", "poll_countdown", "publish_delay", "retry_delay", "retry_later"]
 
 log = logging.getLogger("taskguard.celery")
 
@@ -201,7 +191,7 @@ def retry_later(run: Any, exc: DatabaseUnavailable) -> BaseException:
     if held is not None:
         extra["lease"] = carry(held)
     elif isinstance(exc, OutcomeUnknown) and exc.key == key and opts.locks_run and opts.limit == 1:
-        # The acquire (or the hand-off) may have committed under exc.owner: the copy
+        # The acquire (or the hand-over) may have committed under exc.owner: the copy
         # adopts that lease if it did, else the one the message carried.
         at, ttl = datetime.now(timezone.utc), task._ttl()
         maybe = Lease(

@@ -59,17 +59,14 @@ from celery.result import AsyncResult, EagerResult
 
 from taskguard.exceptions import InvalidArgument, InvalidKey
 from taskguard.guard import TaskGuard
-from taskguard.keys import normalize_key
-from taskguard.lease import MARKER, SKIPPED, Lease
+from taskguard.lease import Lease
+from taskguard.results import MARKER, SKIPPED
+from taskguard.validation import normalize_key
 
 __all__ = [
-    "CANVAS_OPTIONS",
     "HEADER",
-    "JOIN",
-    "MAX_STORED_ID",
     "Handed",
     "Header",
-    "Send",
     "Submission",
     "carry",
     "has_marker",

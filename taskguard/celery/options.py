@@ -20,10 +20,6 @@ from taskguard.options import OPTION_NAMES, Conflict, Phase, option_defaults
 
 __all__ = [
     "ATTR_PREFIX",
-    "CELERY_OPTIONS",
-    "CONFLICT_STRATEGIES",
-    "LOCK_PHASES",
-    "OPTION_NAMES",
     "GuardOptions",
     "check_celery_options",
     "option_defaults",

@@ -53,8 +53,8 @@ from datetime import timedelta
 from typing import Any
 
 from taskguard import signals
-from taskguard.celery.deferral import MAX_POLL, defer, poll_countdown
-from taskguard.celery.leasing import (
+from taskguard.celery.deferral import defer, poll_countdown
+from taskguard.celery.lease_calls import (
     acquire_or_holder,
     clamp_ttl,
     lease_from_info,
@@ -66,25 +66,19 @@ from taskguard.companions import companion_key
 from taskguard.config import guard_for
 from taskguard.exceptions import TaskGuardError
 from taskguard.guard import TaskGuard
-from taskguard.lease import MARKER, Lease, LockInfo
+from taskguard.lease import Lease, LockInfo
 from taskguard.options import Conflict
+from taskguard.results import MARKER
 
 __all__ = [
-    "COALESCED",
-    "MAX_POLL",
-    "batch_key",
     "carried",
     "claim",
-    "coalesced_result",
     "give_up",
     "is_coalesced",
     "merged",
-    "pending_key",
     "publish_coalesced",
     "publish_debounced",
-    "record_merge",
     "started",
-    "take_place",
     "wait_for_key",
 ]
 

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from taskguard.celery.leasing import acquire_or_holder, release_quietly
+from taskguard.celery.lease_calls import acquire_or_holder, release_quietly
 from taskguard.celery.message import stored_task_id
 from taskguard.companions import companion_key
 from taskguard.guard import TaskGuard
 from taskguard.lease import LockInfo
 from taskguard.options import Rate
 
-__all__ = ["rate_key", "take_start"]
+__all__ = ["take_start"]
 
 
 def rate_key(key: str) -> str:

@@ -31,13 +31,7 @@ from taskguard.config import guard_for, setting
 from taskguard.exceptions import ConfigurationError
 from taskguard.signals import locks_reaped
 
-__all__ = [
-    "DEFAULT_INTERVAL",
-    "SCHEDULE_KEY",
-    "TASK_NAME",
-    "reap_expired_locks",
-    "schedule_reaper",
-]
+__all__ = ["reap_expired_locks", "schedule_reaper"]
 
 log = logging.getLogger("taskguard.reaper")
 

@@ -10,7 +10,7 @@ lease is renewed, and finishes: the lease is released in a ``finally`` so every
 way out (return, exception, Reject, Ignore, soft time limit) gives it back exactly
 once, with the finished record in the same statement; a ``retry()`` hands it to
 the retry message instead. A copy of a task id that already finished is dropped
-(see :mod:`taskguard.celery.leasing`). An outage before the body started puts
+(see :mod:`taskguard.celery.lease_calls`). An outage before the body started puts
 the run off (:mod:`taskguard.celery.deferral`).
 """
 
@@ -22,24 +22,23 @@ import time
 from typing import Any
 
 from taskguard import signals
-from taskguard.celery import deferral, handoff, pending, rate
+from taskguard.celery import deferral, handover, pending, rate
 from taskguard.celery.conflicts import REDELIVERY
 from taskguard.celery.deferral import defer
-from taskguard.celery.leasing import (
-    acquire_or_holder,
+from taskguard.celery.finished import (
     drop_late_copy,
     finished_key,
     is_finished,
     outcome_is_final,
     record_finished,
-    release_quietly,
-    send_released,
 )
+from taskguard.celery.lease_calls import acquire_or_holder, release_quietly, send_released
 from taskguard.celery.message import Header, stored_task_id
 from taskguard.config import guard_for
 from taskguard.exceptions import DatabaseUnavailable
-from taskguard.holding import Hold, Interrupter, enter_run, exit_run, valid_until
-from taskguard.lease import Holder, Lease, LockInfo, Marker, is_marker
+from taskguard.held_lease import Hold, Interrupter, enter_run, exit_run, valid_until
+from taskguard.lease import Holder, Lease, LockInfo, Marker
+from taskguard.results import is_marker
 
 __all__ = ["Run"]
 
@@ -48,7 +47,7 @@ log = logging.getLogger("taskguard.celery")
 
 class Run(Hold):
     """One execution of a guarded task, from admission to release: the held lease's
-    state (:class:`~taskguard.holding.Hold`: ``lease``, ``lost``, ``valid_until``,
+    state (:class:`~taskguard.held_lease.Hold`: ``lease``, ``lost``, ``valid_until``,
     ``handed_over``, ``interrupter``) plus what the run knows about its message: the
     task, its options, the :class:`Header`, the arguments, the finished record it
     checks and leaves (``done``), whether its body started."""
@@ -111,7 +110,7 @@ class Run(Hold):
     def _queue_phase(self) -> Any:
         """lock="queue": the lease the message carried ends as the run starts."""
         task, request, key = self.task, self.request, self.key
-        first, blocked, holder = handoff.start_queue_phase(
+        first, blocked, holder = handover.start_queue_phase(
             task, self.guard, request, key, self.header
         )
         # A delivery that ended the queued lease is the first of its message to
@@ -134,12 +133,12 @@ class Run(Hold):
             if covered is not None:
                 return covered
         if self.header.lease is not None:
-            lease, blocked, holder = handoff.take_over(
+            lease, blocked, holder = handover.take_over(
                 task, guard, request, key, self.header.lease, ttl
             )
             if blocked:  # another delivery of this task id has it
                 return self.conflict(holder)
-            # Adopting the hand-off took it from the owner id in the message, which no
+            # Adopting the hand-over took it from the owner id in the message, which no
             # delivery of this task id had taken before: none of them ran, let alone
             # finished. Otherwise the acquire below refuses a finished task id itself.
         taken = lease is None

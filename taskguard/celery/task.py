@@ -4,7 +4,7 @@ per-key lease, and ``@guarded_task``.
 Enqueue side (:meth:`GuardedTask.apply_async`): the key is derived once and put in
 the message header; a pending run (coalesce, debounce) takes its place first
 (:mod:`taskguard.celery.pending`), a queue phase its lease
-(:mod:`taskguard.celery.handoff`). Run side (:meth:`GuardedTask.__call__`, which
+(:mod:`taskguard.celery.handover`). Run side (:meth:`GuardedTask.__call__`, which
 Celery's tracer calls for every execution, worker or eager):
 :mod:`taskguard.celery.running`. A ``retry()`` hands the lease to the retry
 message (below). What no ``finally`` can see (hard kill, hard time limit, revoke
@@ -26,9 +26,10 @@ from celery import Task, shared_task
 from celery.exceptions import Retry
 from celery.utils import uuid
 
-from taskguard.celery import handoff, pending
+from taskguard.celery import handover, pending
 from taskguard.celery.deferral import publish_delay, retry_delay
-from taskguard.celery.leasing import clamp_ttl, retention
+from taskguard.celery.finished import retention
+from taskguard.celery.lease_calls import clamp_ttl
 from taskguard.celery.message import HEADER, Header, Submission, carry
 from taskguard.celery.options import (
     ATTR_PREFIX,
@@ -41,8 +42,8 @@ from taskguard.celery.options import (
 from taskguard.celery.running import Run
 from taskguard.config import guard_for, setting
 from taskguard.exceptions import ConfigurationError
-from taskguard.holding import active_run
-from taskguard.keys import KeyOption
+from taskguard.held_lease import active_run
+from taskguard.key_derivation import KeyOption
 from taskguard.options import Durations, durations
 
 __all__ = ["GuardedTask", "guarded_task"]
@@ -158,7 +159,7 @@ class GuardedTask(Task):  # type: ignore[misc]
             return pending.publish_debounced(sub)
         if opts.mode.pending:  # publish as the pending run, or merge into it
             return pending.publish_coalesced(sub)
-        return handoff.publish(sub)  # a queue phase: take the lease, publish it
+        return handover.publish(sub)  # a queue phase: take the lease, publish it
 
     def _send(
         self, args: Any, kwargs: Any, task_id: Any, headers: Any, options: dict[str, Any]
@@ -200,7 +201,7 @@ class GuardedTask(Task):  # type: ignore[misc]
         deferred = mine and isinstance(run, Run) and run.deferred
         handed: str | None = None
         handing = False
-        # throw=False lets the body go on after publishing: no hand-off then; the lease
+        # throw=False lets the body go on after publishing: no hand-over then; the lease
         # is released at the end and the retried run acquires (waiting for us if need be).
         if throw and mine and run is not None and run.lease is not None and run.lost is None:
             delay = retry_delay(countdown, eta, self.default_retry_delay)
@@ -208,7 +209,7 @@ class GuardedTask(Task):  # type: ignore[misc]
             extended = clamp_ttl(delay + self._ttl())
             try:
                 handing = run.guard.renew(lease, extended)
-            except Exception as err:  # no hand-off; the retried run acquires afresh
+            except Exception as err:  # no hand-over; the retried run acquires afresh
                 log.warning("could not extend lock %r for the retry: %s", lease.key, err)
             if handing:
                 handed = carry(lease)

@@ -59,7 +59,7 @@ from celery.worker.request import Request
 from kombu.asynchronous import get_event_loop
 
 from taskguard.celery import pending
-from taskguard.celery.leasing import (
+from taskguard.celery.lease_calls import (
     held_seconds,
     lease_from_info,
     release_quietly,
@@ -70,17 +70,9 @@ from taskguard.celery.task import GuardedTask
 from taskguard.compat import configured
 from taskguard.config import ENV_DATABASE_URL, database_url, guard_for, setting, unknown_settings
 from taskguard.exceptions import ConfigurationError
-from taskguard.preflight import check_database
+from taskguard.startup_check import check_database
 
-__all__ = [
-    "MODES",
-    "GuardedRequest",
-    "give_back_at_revoke",
-    "release_dead_run",
-    "release_unstarted",
-    "run_startup_check",
-    "uses_taskguard",
-]
+__all__ = ["MODES", "GuardedRequest"]
 
 log = logging.getLogger("taskguard.celery")
 
@@ -176,7 +168,7 @@ def release_dead_run(
         guard = guard_for(task._get_app())
         count = 0
         for info in guard.get_all(key):
-            # An adopted hand-off names its run's pool process too (exclusive adopt).
+            # An adopted hand-over names its run's pool process too (exclusive adopt).
             own_row = info.holder.hostname == nodename and info.holder.pid == pid
             if not (info.held and info.holder.task_id == stored_id and own_row):
                 continue  # another delivery's, or not this run's

@@ -13,7 +13,7 @@ import click
 
 from taskguard.cli.errors import EXIT_NOT_FOUND
 from taskguard.cli.root import database_url_option, main_group, resolve_url
-from taskguard.preflight import check_database
+from taskguard.startup_check import check_database
 
 __all__ = ["check"]
 

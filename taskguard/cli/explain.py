@@ -15,7 +15,7 @@ from taskguard.cli.root import database_url_option, main_group, open_guard
 from taskguard.companions import describe_companions
 from taskguard.display import printable, printable_event, printable_info
 from taskguard.history import explain as render
-from taskguard.keys import normalize_key
+from taskguard.validation import normalize_key
 
 __all__ = ["explain"]
 

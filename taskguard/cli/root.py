@@ -16,7 +16,7 @@ from taskguard.cli.errors import EXIT_USAGE, OneLineGroup, fail, failing_as_one_
 from taskguard.config import ENV_DATABASE_URL, build_guard, database_url
 from taskguard.exceptions import ConfigurationError
 from taskguard.guard import TaskGuard
-from taskguard.preflight import missing_database
+from taskguard.startup_check import missing_database
 
 __all__ = [
     "CONTEXT_SETTINGS",

@@ -17,9 +17,9 @@ from typing import Any
 from taskguard.dialects import dialect_for
 from taskguard.exceptions import ConfigurationError
 from taskguard.guard import TaskGuard
-from taskguard.keys import MIN_TTL
 from taskguard.lease import Lease, LockInfo
 from taskguard.urls import parse_url
+from taskguard.validation import MIN_TTL
 
 __all__ = [
     "DEFAULT_EXPIRY",

@@ -111,7 +111,7 @@ def check_connections(app: Celery, timeout: float = 10.0) -> None:
         url = app.connection_for_write().as_uri()
         raise BrokerUnavailable(f"broker {url} unreachable: {_first_line(exc)}") from None
     try:
-        app.backend.get_task_meta("taskguard-demo-preflight")
+        app.backend.get_task_meta("taskguard-demo-startup-check")
     except Exception as exc:
         raise BrokerUnavailable(
             f"result backend {app.backend.as_uri()} unreachable: {_first_line(exc)}"

@@ -41,7 +41,7 @@ from taskguard.display import printable
 from taskguard.exceptions import ConfigurationError
 from taskguard.urls import mask_url
 
-__all__ = ["FEED_NAMES", "DemoOptions", "DemoOutcome", "feed_urls", "run_demo"]
+__all__ = ["DemoOptions", "run_demo"]
 
 #: Feeds the demo imports (URLs under the reserved example.com domain).
 FEED_NAMES = ("news", "python", "weather", "sports", "science", "music", "movies", "travel")

@@ -18,7 +18,7 @@ from sqlalchemy import URL
 from sqlalchemy.engine import Dialect as SADialect
 
 from taskguard.dialects.base import RESERVE_GRACE, Dialect, LockSQL, Statement
-from taskguard.dialects.mysql import MariaDB
+from taskguard.dialects.mariadb import MariaDB
 from taskguard.dialects.postgresql import PostgreSQL
 from taskguard.dialects.sqlite import SQLite
 from taskguard.dialects.statements import build_lock_sql

@@ -22,25 +22,14 @@ from sqlalchemy import URL, Engine
 from taskguard.deadline import DEFAULT_CALL_TIMEOUT, bounded, call_limit
 from taskguard.dialects import Dialect, Statement, lock_sql_for
 from taskguard.exceptions import DatabaseUnavailable, OutcomeUnknown
-from taskguard.keys import new_owner
 from taskguard.lease import Holder, Lease, LockInfo, Marker
 from taskguard.store import infos, reaping
-from taskguard.store.connections import Executor, create_lock_engine
-from taskguard.store.errors import translate_error
+from taskguard.store.connections import Executor
 from taskguard.store.events import EventLog, Recorder, Unrecorded
 from taskguard.store.waiters import Waiters, WaitRow
+from taskguard.validation import new_owner
 
-__all__ = [
-    "EventLog",
-    "Recorder",
-    "RenewOutcome",
-    "Store",
-    "Unrecorded",
-    "WaitRow",
-    "Waiters",
-    "create_lock_engine",
-    "translate_error",
-]
+__all__ = ["EventLog", "Recorder", "Store", "Unrecorded", "WaitRow", "Waiters"]
 
 log = logging.getLogger("taskguard")
 

@@ -20,7 +20,7 @@ from taskguard.history import LockEvent, secs
 from taskguard.lease import Holder, Lease, LockInfo, describe_holder
 from taskguard.store.connections import Executor
 
-__all__ = ["REAPER_KEY", "EventLog", "Recorder", "Unrecorded"]
+__all__ = ["EventLog", "Recorder", "Unrecorded"]
 
 log = logging.getLogger("taskguard")
 

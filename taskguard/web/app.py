@@ -22,7 +22,7 @@ from taskguard.config import build_guard, setting
 from taskguard.display import format_duration, printable
 from taskguard.exceptions import ConfigurationError, InvalidKey, TaskGuardError
 from taskguard.guard import TaskGuard
-from taskguard.keys import normalize_key
+from taskguard.validation import normalize_key
 from taskguard.web import pages
 from taskguard.web.security import Authorize, check_csrf, csrf_token, set_csrf
 

@@ -14,19 +14,9 @@ from taskguard.display import format_duration, printable, printable_event, print
 from taskguard.guard import TaskGuard
 from taskguard.history import EVENTS, LockEvent, explain
 from taskguard.lease import LockInfo
-from taskguard.preflight import CheckResult, check_database
+from taskguard.startup_check import CheckResult, check_database
 
-__all__ = [
-    "KeyView",
-    "Overview",
-    "Series",
-    "health",
-    "key_view",
-    "locks",
-    "overview",
-    "reaper_seen",
-    "role",
-]
+__all__ = ["Overview", "health", "key_view", "locks", "overview", "reaper_seen", "role"]
 
 #: Rows a page lists at most (``taskguard locks --limit``).
 ROWS = 1_000

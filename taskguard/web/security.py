@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-__all__ = ["CSRF_COOKIE", "Authorize", "basic_auth", "check_csrf", "csrf_token", "set_csrf"]
+__all__ = ["Authorize", "basic_auth", "check_csrf", "csrf_token", "set_csrf"]
 
 #: Returns the operator's name to consent, ``None`` to refuse.
 Authorize = Callable[[Request], "str | None"]

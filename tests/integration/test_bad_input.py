@@ -39,8 +39,8 @@ from taskguard import (
     guarded_task,
 )
 from taskguard.config import reset_guards
-from taskguard.keys import MAX_KEY_LENGTH, MAX_TTL, MIN_TTL, normalize_key
 from taskguard.models import TaskLock
+from taskguard.validation import MAX_KEY_LENGTH, MAX_TTL, MIN_TTL, normalize_key
 
 EXAMPLES = int(os.environ.get("TASKGUARD_CHAOS_EXAMPLES", "40"))
 SETTINGS = settings(

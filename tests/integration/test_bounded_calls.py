@@ -131,7 +131,7 @@ def test_a_renewal_that_hangs_loses_the_lease_before_its_database_expiry() -> No
     """A running task's lease: the standby stops while the body runs; the renewal's
     commit waits for it forever, and the renewer declares the lease lost by the local
     clock while the database still has it live."""
-    from taskguard.holding import Hold
+    from taskguard.held_lease import Hold
 
     ttl = 3.0
     with ReplicatedPair(sync=True) as rp:
@@ -184,7 +184,7 @@ def _hold_through(
     """A guarded run on ``holder`` (renewed, stop_on_lease_loss armed, the body
     polling check_lease()); ``freeze()`` after its first renewal while ``other``
     keeps trying to take the key; ``thaw()`` once the other got it (or gave up)."""
-    from taskguard.holding import (
+    from taskguard.held_lease import (
         Hold,
         Interrupter,
         check_lease,

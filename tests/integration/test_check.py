@@ -1,5 +1,5 @@
 """``taskguard check`` / ``celery -A app taskguard check`` and the check behind them
-(taskguard/preflight.py), as real subprocesses against real databases."""
+(taskguard/startup_check.py), as real subprocesses against real databases."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import psycopg
 import pytest
 from sqlalchemy.engine import make_url
 
-from taskguard.preflight import check_database
+from taskguard.startup_check import check_database
 from taskguard.urls import parse_url
 
 pytestmark = pytest.mark.postgres

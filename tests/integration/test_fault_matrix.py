@@ -45,7 +45,7 @@ from sqlalchemy.engine import make_url
 
 from taskguard import DatabaseUnavailable, schema
 from taskguard.config import reset_guards
-from taskguard.lease import MARKER
+from taskguard.results import MARKER
 from tests.harness.postgres import ThrowawayCluster
 from tests.harness.proxy import FaultProxy
 

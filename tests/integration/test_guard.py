@@ -11,8 +11,8 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
 from taskguard import InvalidArgument, InvalidKey, InvalidTTL, LockHeld, SchemaMissing, TaskGuard
-from taskguard.keys import normalize_key
 from taskguard.models import TaskLock
+from taskguard.validation import normalize_key
 
 
 def test_acquire_conflict_then_release(guard: TaskGuard) -> None:

@@ -1,6 +1,6 @@
 """The MariaDB lock SQL itself, proven with real processes before anything is built on it.
 
-Statements come straight from :mod:`taskguard.dialects.mysql` and run on plain
+Statements come straight from :mod:`taskguard.dialects.mariadb` and run on plain
 driver connections (no TaskGuard), so a failure here is the SQL's, not the
 guard's. Overlaps are judged by the database clock: every grant records its
 ``acquired_at`` and every release the exact database time it ended the lease.
@@ -23,7 +23,7 @@ import pytest
 from sqlalchemy import make_url, text
 from sqlalchemy.dialects.mysql import mysqldb
 
-from taskguard.dialects import mysql as sql
+from taskguard.dialects import mariadb as sql
 from taskguard.dialects.base import Statement, compile_for
 from tests.services import maria_admin
 

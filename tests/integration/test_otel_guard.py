@@ -20,7 +20,7 @@ from opentelemetry.trace import StatusCode
 
 from taskguard import TaskGuard, otel, waiting
 from taskguard import guard as guard_module
-from taskguard.holding import Hold
+from taskguard.held_lease import Hold
 
 
 @pytest.fixture

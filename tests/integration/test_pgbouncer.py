@@ -217,7 +217,7 @@ def test_upgrade_check_reap_and_cli_through_transaction_pooling(
     import sys
 
     from taskguard import schema
-    from taskguard.preflight import check_database
+    from taskguard.startup_check import check_database
 
     url = pgbouncer_tx.via(empty_pg_url)  # type: ignore[attr-defined]
     env = {**os.environ, "TASKGUARD_DATABASE_URL": url}

@@ -231,7 +231,7 @@ def test_refused_database_one_line_exit_2_nothing_created(empty_maria_url: str) 
         [
             sys.executable,
             "-c",
-            "import sys, taskguard.dialects.mysql_server as s; s.MARIADB_MIN = (99, 0); "
+            "import sys, taskguard.dialects.mariadb_server as s; s.MARIADB_MIN = (99, 0); "
             "from taskguard.cli import main; main(sys.argv[1:])",
             *("db", "upgrade", "--database-url", empty_maria_url),
         ],

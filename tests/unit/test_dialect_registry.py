@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from taskguard.dialects import dialect_for, dialect_for_url
-from taskguard.dialects.mysql_server import refuse_server, server_info
+from taskguard.dialects.mariadb_server import refuse_server, server_info
 from taskguard.exceptions import ConfigurationError
 from taskguard.models import UTCDateTime
 from taskguard.urls import parse_url
@@ -123,7 +123,7 @@ def _compares_backend_names(path: Path) -> list[int]:
 
 
 def test_nothing_outside_the_dialects_compares_backend_names() -> None:
-    """models, preflight and schema used to; contrib/django maps Django's ENGINE
+    """models, startup_check and schema used to; contrib/django maps Django's ENGINE
     names, which are Django's, not backend names."""
     offenders = {
         str(path.relative_to(PACKAGE)): found

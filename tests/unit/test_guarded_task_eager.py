@@ -21,7 +21,7 @@ from taskguard import (
     check_lease,
     current_lease,
     guarded_task,
-    holding,
+    held_lease,
     is_skipped,
     signals,
 )
@@ -195,7 +195,7 @@ def test_retry_keeps_the_lease_for_the_retried_run(
     assert len(recorder.of("lock_released")) == 1
     info = guard.get("k")
     assert info is not None and not info.held
-    # the hand-off companion row is gone too
+    # the hand-over companion row is gone too
     assert [i.key for i in guard.held(companions=True)] == []
 
 
@@ -212,7 +212,7 @@ def test_queue_and_run_retries_keep_the_enqueue_lease(app: Celery, guard: TaskGu
 
     job.delay()
     assert len(tokens) == 3 and len(set(tokens)) == 1
-    assert guard.held(companions=True) == []  # the lease and every hand-off claim row are gone
+    assert guard.held(companions=True) == []  # the lease and every hand-over claim row are gone
 
 
 def test_autoretry_keeps_the_lease(app: Celery, recorder: Recorder) -> None:
@@ -284,7 +284,7 @@ def test_heartbeat_renews_past_the_ttl_and_stops(app: Celery, guard: TaskGuard) 
     result = slow.delay()
     assert result.state == "SUCCESS", result.result
     assert expiries == sorted(expiries) and len(set(expiries)) > 1
-    assert holding.renewing() == 0  # nothing renews after the run
+    assert held_lease.renewing() == 0  # nothing renews after the run
 
 
 def test_lost_lease_is_reported_to_the_task(

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from taskguard import Lease, LeaseLost, TaskGuard, holding, signals
-from taskguard.holding import (
+from taskguard import Lease, LeaseLost, TaskGuard, held_lease, signals
+from taskguard.held_lease import (
     Hold,
     check_lease,
     current_lease,
@@ -47,7 +47,7 @@ def test_heartbeat_renews_until_stopped(pg_guard: TaskGuard) -> None:
         assert lease.expires_at > first_expiry and run.lost is None
     finally:
         beat.stop_renewing()
-    assert holding.renewing() == 0
+    assert held_lease.renewing() == 0
     time.sleep(1.2)
     info = pg_guard.get("k")
     assert info is not None and not info.held  # nobody renews after stop()
@@ -134,7 +134,7 @@ def test_one_renewer_thread_serves_every_run_and_exits_when_idle(pg_guard: TaskG
         while pg_guard.db_now() <= max(first):  # past the first ttl: only renewals keep them
             time.sleep(0.05)
         assert len(_renewer_threads()) == 1
-        assert holding.renewing() == 3
+        assert held_lease.renewing() == 3
         for lease, before in zip(leases, first, strict=True):
             assert lease is not None and lease.expires_at > before
             info = pg_guard.get(lease.key)
@@ -142,8 +142,8 @@ def test_one_renewer_thread_serves_every_run_and_exits_when_idle(pg_guard: TaskG
     finally:
         for beat in beats:
             beat.stop_renewing()
-    assert holding.renewing() == 0
-    deadline = time.monotonic() + holding.IDLE_EXIT + 2
+    assert held_lease.renewing() == 0
+    deadline = time.monotonic() + held_lease.IDLE_EXIT + 2
     while _renewer_threads() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _renewer_threads()
@@ -155,8 +155,8 @@ def test_stopped_heartbeats_do_not_pile_up(pg_guard: TaskGuard) -> None:
     run = Hold(pg_guard, "k", lease, request=None)
     for _ in range(500):  # a short task each, far quicker than its ttl/3
         (run.start_renewing(), run.stop_renewing())
-    assert holding.renewing() == 0
-    assert not holding._RENEWER.holds
+    assert held_lease.renewing() == 0
+    assert not held_lease._RENEWER.holds
 
 
 def test_short_runs_do_not_wake_the_renewer(
@@ -169,7 +169,7 @@ def test_short_runs_do_not_wake_the_renewer(
     run = Hold(pg_guard, "k", lease, request=None)
     (run.start_renewing(), run.stop_renewing())  # the thread exists from here on
     time.sleep(0.05)
-    renewer = holding._RENEWER
+    renewer = held_lease._RENEWER
     cond = renewer._cond
     wakes: list[int] = []
     real_notify = cond.notify
@@ -203,7 +203,7 @@ def test_the_lease_runs_out_by_the_local_clock_without_the_renewer() -> None:
     token = enter_run(run)
     try:
         assert check_lease() is lease and current_lease() is lease
-        time.sleep(1.0 - holding.MARGIN + 0.05)
+        time.sleep(1.0 - held_lease.MARGIN + 0.05)
         with pytest.raises(LeaseLost, match="ran out by this host's clock"):
             check_lease()
         with pytest.raises(LeaseLost):

@@ -18,11 +18,11 @@ from celery import Celery
 from celery.exceptions import Ignore
 
 from taskguard import GuardedTask, LeaseLost, TaskGuard, guarded_task, signals
-from taskguard.celery import leasing, task
+from taskguard.celery import finished, task
 from taskguard.celery.message import MAX_STORED_ID, is_shortened, stored_task_id
 from taskguard.celery.options import ATTR_PREFIX, OPTION_NAMES, option_defaults
 from taskguard.config import reset_guards
-from taskguard.holding import Interrupter
+from taskguard.held_lease import Interrupter
 
 PACKAGE = Path(__file__).resolve().parents[2] / "taskguard"
 
@@ -71,7 +71,7 @@ def test_finished_records_and_the_late_copy_drop(app: Celery, pg_url: str) -> No
 
     signals.late_copy_dropped.connect(receiver, weak=False)
     try:
-        assert not leasing.is_finished(guard, "t-1")
+        assert not finished.is_finished(guard, "t-1")
 
         class Req:
             id = "t-1"
@@ -80,12 +80,12 @@ def test_finished_records_and_the_late_copy_drop(app: Celery, pg_url: str) -> No
         @guarded_task(app=app, shared=False, key="f")
         def job() -> None: ...
 
-        leasing.record_finished(guard, job, Req())
-        assert leasing.is_finished(guard, "t-1")
-        info = guard.get(leasing.finished_key("t-1"))
+        finished.record_finished(guard, job, Req())
+        assert finished.is_finished(guard, "t-1")
+        info = guard.get(finished.finished_key("t-1"))
         assert info is not None and 7100 < info.expires_in.total_seconds() <= 7200
         with pytest.raises(Ignore):
-            leasing.drop_late_copy(job, Req(), "f")
+            finished.drop_late_copy(job, Req(), "f")
         assert dropped == [{"signal": signals.late_copy_dropped, "key": "f", "task_id": "t-1"}]
     finally:
         signals.late_copy_dropped.disconnect(receiver)

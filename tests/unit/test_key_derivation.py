@@ -19,7 +19,8 @@ from kombu.utils import json as kombu_json
 
 from taskguard import ConfigurationError, InvalidKey
 from taskguard.celery.options import GuardOptions, signature_of
-from taskguard.keys import MAX_KEY_LENGTH, KeyDeriver, args_digest, canonical, canonical_json
+from taskguard.key_derivation import KeyDeriver, args_digest, canonical, canonical_json
+from taskguard.validation import MAX_KEY_LENGTH
 
 
 def fetch(feed_url: str, force: bool = False, *, limit: int = 10) -> None: ...

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from taskguard import InvalidKey, InvalidTTL
-from taskguard.keys import MAX_KEY_LENGTH, MAX_TTL, MIN_TTL, normalize_key, validate_ttl
+from taskguard.validation import MAX_KEY_LENGTH, MAX_TTL, MIN_TTL, normalize_key, validate_ttl
 
 
 def test_short_keys_are_stored_verbatim() -> None:

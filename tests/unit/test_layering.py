@@ -26,19 +26,24 @@ INTEGRATIONS = (
 #: backend's own setting names (taskguard.compat.backend_url), one reading of the URL.
 BELOW_INTEGRATIONS_ALLOWED = {("taskguard.config", "taskguard.compat")}
 #: The modules that may import the storage layer (taskguard.store): the API.
-STORE_USERS = {"taskguard.guard", "taskguard.waiting", "taskguard.preflight", "taskguard.schema"}
+STORE_USERS = {
+    "taskguard.guard",
+    "taskguard.waiting",
+    "taskguard.startup_check",
+    "taskguard.schema",
+}
 #: The Celery integration's layers, bottom first (docs/architecture.md): a module
 #: imports modules of its own layer or below, never above.
 CELERY_LAYERS = (
     # the message: the header, task ids as stored, the markers, a submission
     ("message",),
     # a task's leases: taken and given back, handed over in a message, finished records
-    ("leasing",),
+    ("lease_calls", "finished"),
     # deferred runs: countdowns, re-published copies, outages
     ("deferral",),
     # behaviours: conflict strategies, the queue phase (and leases handed over in a
     # message), rates, pending runs (coalesce, debounce)
-    ("conflicts", "handoff", "rate", "pending"),
+    ("conflicts", "handover", "rate", "pending"),
     # the options, declared once (they name the behaviours)
     ("options",),
     # the run

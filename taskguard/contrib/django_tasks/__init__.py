@@ -3,12 +3,11 @@ backport): ``@guarded`` locks a task's runs on any backend, :class:`GuardedBacke
 also refuses (or answers) duplicate enqueues. Users: docs/django-tasks.md."""
 
 from taskguard.contrib.django_tasks.backend import GuardedBackend
-from taskguard.contrib.django_tasks.run import DEFERRED, guarded, project_guard
-from taskguard.holding import check_lease, current_lease
-from taskguard.lease import is_skipped
+from taskguard.contrib.django_tasks.run import guarded, project_guard
+from taskguard.held_lease import check_lease, current_lease
+from taskguard.results import is_skipped
 
 __all__ = [
-    "DEFERRED",
     "GuardedBackend",
     "check_lease",
     "current_lease",

@@ -112,7 +112,7 @@ def _in_front_of(backend_class: type[Any]) -> type[Any]:
     namespace.update(dict.fromkeys(OPTION_NAMES))
     kwargs = {"frozen": True, "kw_only": True, "slots": "__slots__" in vars(base_task)}
     task_class: type[Any] = dataclasses.dataclass(**kwargs)(
-        type("GuardedTask", (base_task,), namespace)
+        type("TaskWithGuardOptions", (base_task,), namespace)
     )
     name = f"Guarded{backend_class.__name__}"
     return type(name, (GuardedBackend, backend_class), {"task_class": task_class})

@@ -20,11 +20,11 @@ from taskguard.contrib.django import conf
 from taskguard.contrib.django_tasks.framework import task_finished, task_started
 from taskguard.exceptions import AlreadyLocked, ConfigurationError
 from taskguard.guard import TaskGuard
-from taskguard.lease import MARKER
 from taskguard.options import Conflict, Framework
+from taskguard.results import MARKER
 from taskguard.runs import Actions, GuardedRun, GuardSpec
 
-__all__ = ["DEFERRED", "DJANGO_TASKS", "guarded", "project_guard"]
+__all__ = ["guarded", "project_guard"]
 
 log = logging.getLogger("taskguard.django_tasks")
 

@@ -194,7 +194,7 @@ def test_a_redelivered_hand_off_waits_for_the_copy_that_adopted_it(env: Env) -> 
     # that very message (same task id, same header) while the first copy runs must
     # not adopt it too: adopting passes the lease to the run's own owner id.
     queued = env.task("tg.queued")  # queue_and_run, ttl 3 s, on_conflict="raise"
-    kid = key_id(env, "redeliver-handoff")
+    kid = key_id(env, "redeliver-handover")
     sent: list[Any] = []
 
     def keep_header(headers: dict[str, Any] | None = None, **_: Any) -> None:

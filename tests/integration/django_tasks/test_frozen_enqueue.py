@@ -1,7 +1,7 @@
 """Issue 41, defect 3: a GuardedBackend enqueue cut off by a frozen connection ends in
 OutcomeUnknown; when the connection thaws its acquire lands. The key must not stay
 held for the rest of queue_ttl (300 s here) with no job behind it: the enqueue gives
-it back once the database answers (taskguard.holding.release_when_reachable)."""
+it back once the database answers (taskguard.held_lease.release_when_reachable)."""
 
 from __future__ import annotations
 

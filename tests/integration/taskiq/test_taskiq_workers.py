@@ -35,7 +35,7 @@ from sqlalchemy.engine import make_url
 
 from taskguard import TaskGuard
 from taskguard.exceptions import AlreadyLocked, DatabaseUnavailable
-from taskguard.lease import is_skipped
+from taskguard.results import is_skipped
 from tests.harness.proxy import FaultProxy
 from tests.services import redis_db
 

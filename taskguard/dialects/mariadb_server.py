@@ -10,7 +10,7 @@ import re
 from taskguard.dialects.base import ErrorKind
 from taskguard.exceptions import ConfigurationError
 
-__all__ = ["MARIADB_MIN", "error_kind", "refuse_server", "server_info"]
+__all__ = ["error_kind", "refuse_server", "server_info"]
 
 _KINDS = {
     1054: ErrorKind.SCHEMA_OLD,  # unknown column: deployed before the upgrade

@@ -19,7 +19,7 @@ the same statement passed to an owner id of this run's own, with this pool
 process as its holder. A second delivery of the same message (a broker redelivery
 while the first copy runs) then finds the owner id it carries gone and the key
 held by its own task id: a conflict with itself, retried until that run ends. A
-hand-off that lapsed (the lease expired while the message waited) falls back to a
+hand-over that lapsed (the lease expired while the message waited) falls back to a
 fresh acquisition.
 """
 
@@ -30,7 +30,7 @@ import os
 from typing import Any
 
 from taskguard import signals
-from taskguard.celery.leasing import (
+from taskguard.celery.lease_calls import (
     acquire_or_holder,
     held_seconds,
     publish_carrying,
@@ -82,9 +82,9 @@ def take_over(
 ) -> tuple[Lease | None, bool, LockInfo | None]:
     """Adopt the lease carried in the message: (lease, False, None); or (None, True,
     holder) when another delivery of this task id has it; or (None, False, None) when
-    the hand-off lapsed (it expired while queued). One statement when it is adopted."""
+    the hand-over lapsed (it expired while queued). One statement when it is adopted."""
     stored_id = stored_task_id(request.id)
-    # "alternate": a copy published for an outage whose hand-off's outcome was unknown
+    # "alternate": a copy published for an outage whose hand-over's outcome was unknown
     # (taskguard.celery.deferral.retry_later) may hold the key under either owner id.
     given = Handed.of(carried)
     holder = Holder(task.name, stored_id, request.hostname, os.getpid())
@@ -96,7 +96,7 @@ def take_over(
     for info in guard.get_all(key):
         if info.held and info.holder.task_id == stored_id:
             return None, True, info
-    log.info("hand-off of lock %r to %s[%s] lapsed; acquiring", key, task.name, request.id)
+    log.info("hand-over of lock %r to %s[%s] lapsed; acquiring", key, task.name, request.id)
     return None, False, None
 
 

@@ -58,9 +58,7 @@ from taskguard.guard import TaskGuard
 from taskguard.lease import Lease
 
 __all__ = [
-    "INTERRUPT_SIGNAL",
     "MARGIN",
-    "RAN_OUT",
     "Hold",
     "Interrupter",
     "active_run",

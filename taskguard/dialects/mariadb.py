@@ -66,21 +66,11 @@ from taskguard.dialects.base import (
     ReapStep,
     T,
 )
-from taskguard.dialects.mysql_server import error_kind, refuse_server, server_info
+from taskguard.dialects.mariadb_server import error_kind, refuse_server, server_info
 from taskguard.green import green_library
 from taskguard.urls import mask_url
 
-__all__ = [
-    "ACQUIRE",
-    "ACQUIRE_SLOTS",
-    "FENCE",
-    "FORCE_RELEASE",
-    "REAP",
-    "RELEASE",
-    "RENEW",
-    "SESSION_SETUP",
-    "MariaDB",
-]
+__all__ = ["SESSION_SETUP", "MariaDB"]
 
 log = logging.getLogger("taskguard")
 
