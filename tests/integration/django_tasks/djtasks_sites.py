@@ -1,9 +1,12 @@
-"""The database a Django Tasks test site keeps its tables and locks in: one fixture,
-parametrized over PostgreSQL, MariaDB and SQLite, for every real-worker test here."""
+"""The Django Tasks test sites: the database examples/djangotasksfeeds keeps its tables
+and locks in (one fixture, parametrized over PostgreSQL, MariaDB and SQLite, for every
+real-worker test here), and tinysite's scenarios run in a subprocess."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +16,26 @@ from sqlalchemy.engine import make_url
 
 REPO = Path(__file__).resolve().parents[3]
 EXAMPLE = REPO / "examples" / "djangotasksfeeds"
+HERE = Path(__file__).resolve().parent
+
+
+def run_tinysite(tmp_path: Path, scenario: str) -> subprocess.CompletedProcess[str]:
+    """``scenario`` (a script here) run against tinysite (SQLite in ``tmp_path``,
+    ImmediateBackend), in a subprocess so Django's settings stay out of the test's;
+    it must exit 0."""
+    env = dict(os.environ)
+    env.pop("TASKGUARD_DATABASE_URL", None)
+    env.update({
+        "DJANGO_SETTINGS_MODULE": "tinysite.settings",
+        "TINYSITE_DB": str(tmp_path / "tiny.sqlite3"),
+        "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO), env.get("PYTHONPATH", "")]),
+    })  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(HERE / scenario)], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
 
 
 @pytest.fixture(name="example_env", params=["postgresql", "mariadb", "sqlite"])

@@ -6,13 +6,11 @@ span names the holder."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from djtasks_sites import run_tinysite
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
@@ -26,18 +24,7 @@ def _children(spans: list[dict[str, Any]], parent: str) -> list[dict[str, Any]]:
 
 
 def test_guarded_runs_spans_nest(tmp_path: Path) -> None:
-    env = dict(os.environ)
-    env.pop("TASKGUARD_DATABASE_URL", None)
-    env.update({
-        "DJANGO_SETTINGS_MODULE": "tinysite.settings",
-        "TINYSITE_DB": str(tmp_path / "tiny.sqlite3"),
-        "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO), env.get("PYTHONPATH", "")]),
-    })  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "scenario_otel.py")], cwd=tmp_path, env=env,
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_tinysite(tmp_path, "scenario_otel.py")
     spans = json.loads(proc.stdout.splitlines()[-1])
     in_run = {"taskguard.lock.phase": "run", "taskguard.lock.strategy": "skip"}
     acquire, release = _children(spans, "run/ran")
