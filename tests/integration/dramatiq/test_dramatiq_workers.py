@@ -31,6 +31,7 @@ from sqlalchemy.engine import make_url
 
 from taskguard import AlreadyLocked, DatabaseUnavailable, OutcomeUnknown, TaskGuard
 from taskguard.config import reset_guards
+from taskguard.demo.record import max_concurrency
 from tests.harness.proxy import FaultProxy
 from tests.services import AMQP_URL, redis_db
 
@@ -165,18 +166,14 @@ def _runs(lines: list[list[str]]) -> dict[int, list[tuple[str, float]]]:
 
 def _most_at_once(lines: list[list[str]]) -> dict[str, int]:
     """Per key, the most bodies running at once (from the bodies' own times)."""
-    edges: dict[str, list[tuple[float, int]]] = defaultdict(list)
-    for event, _n, key, at, *_ in lines:
+    spans: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
+    for event, n, key, at, *_ in lines:
         if event in ("start", "end"):
-            edges[key].append((float(at), 1 if event == "start" else -1))
-    most: dict[str, int] = {}
-    for key, points in edges.items():
-        now = peak = 0
-        for _, step in sorted(points, key=lambda p: (p[0], p[1])):  # an end before a start
-            now += step
-            peak = max(peak, now)
-        most[key] = peak
-    return most
+            spans[key, n][event] = float(at)
+    by_key: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for (key, _n), times in spans.items():
+        by_key[key].append((times["start"], times.get("end", float("inf"))))
+    return {key: max_concurrency(intervals) for key, intervals in by_key.items()}
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from taskguard import TaskGuard
+from taskguard.demo.record import max_concurrency
 from taskguard.exceptions import AlreadyLocked, DatabaseUnavailable
 from taskguard.results import is_skipped
 from tests.harness.proxy import FaultProxy
@@ -109,18 +110,12 @@ def read_records(records: Path, phase: str = "end") -> list[dict[str, Any]]:
 def most_at_once(rows: list[dict[str, Any]]) -> dict[tuple[str, int], int]:
     """The most bodies of each key (sync_run's, or storm_run's and storm_queue's) that
     overlapped in time."""
-    by_key: dict[tuple[str, int], list[tuple[float, int]]] = defaultdict(list)
+    by_key: dict[tuple[str, int], list[tuple[float, float]]] = defaultdict(list)
     for r in rows:
-        key = ("sync" if r["task"] == "sync_run" else "storm", r["n"])
-        by_key[key] += [(r["start"], 1), (r["end"], -1)]
-    most = {}
-    for n, edges in by_key.items():
-        now = peak = 0
-        for _, step in sorted(edges, key=lambda e: (e[0], e[1])):  # an end before a start
-            now += step
-            peak = max(peak, now)
-        most[n] = peak
-    return most
+        by_key["sync" if r["task"] == "sync_run" else "storm", r["n"]].append(
+            (r["start"], r["end"])
+        )
+    return {key: max_concurrency(intervals) for key, intervals in by_key.items()}
 
 
 async def outcomes(app: Any, handles: list[Any], timeout: float = 90) -> list[Any]:
