@@ -58,12 +58,12 @@ _message: contextvars.ContextVar[TaskiqMessage | None] = contextvars.ContextVar(
 
 
 class _Answered(Actions):
-    # A duplicate send: its answer, in the shape pre_send turns into the message's fate.
+    # A duplicate send: skipped (its result: the marker), or the queued job's id.
     def skip(self, value: dict[str, Any], error: Exception) -> Any:
-        return ("skipped", value)
+        return TaskiqResult(is_err=False, return_value=value, execution_time=0.0)
 
     def existing(self, job_id: str) -> Any:
-        return ("existing", job_id)
+        return job_id
 
 
 class TaskguardMiddleware(TaskiqMiddleware):
@@ -133,11 +133,10 @@ class TaskguardMiddleware(TaskiqMiddleware):
             lambda: asyncio.run_coroutine_threadsafe(self._kick(sent), loop).result(),
             job_id=lambda _: message.task_id, actions=_Answered(), task_id=message.task_id,
         )  # fmt: skip
-        if isinstance(answer, tuple) and answer[0] == "existing":
-            message.task_id = answer[1]
-        elif isinstance(answer, tuple):  # skipped: the marker is its result
-            result = TaskiqResult(is_err=False, return_value=answer[1], execution_time=0.0)
-            await self.broker.result_backend.set_result(message.task_id, result)
+        if isinstance(answer, str):  # the queued job's id: kiq's handle names that job
+            message.task_id = answer
+        elif isinstance(answer, TaskiqResult):  # skipped: the marker is its result
+            await self.broker.result_backend.set_result(message.task_id, answer)
         message.labels[_SENT] = True
         return message
 

@@ -282,8 +282,9 @@ def test_postgresql_outage_during_a_run_and_a_send(
 
 
 def test_duplicate_send_refused_before_the_broker(pg_url: str, records: Path) -> None:
-    """``lock="queue", on_conflict="raise"``: the second send of a key raises
-    AlreadyLocked and never reaches the broker (one message in the queue; no worker)."""
+    """``lock="queue"``: a second send of a key never reaches the broker (no worker; one
+    message per key in the queue): with ``on_conflict="raise"`` it raises AlreadyLocked,
+    with ``"existing"`` its handle is the queued job's."""
     import redis
 
     async def sends(app: Any) -> None:
@@ -292,12 +293,16 @@ def test_duplicate_send_refused_before_the_broker(pg_url: str, records: Path) ->
             await app.queue_raise.kiq(0, 7)
             with pytest.raises(AlreadyLocked, match="not enqueued"):
                 await app.queue_raise.kiq(1, 7)
+            # on_conflict="existing": the duplicate's handle is the queued job's.
+            first = await app.queue_existing.kiq(2, 7)
+            again = await app.queue_existing.kiq(3, 7)
+            assert again.task_id == first.task_id
         finally:
             await app.broker.shutdown()
 
     with running(pg_url, records, count=0) as (workers, app):
         asyncio.run(sends(app))
-        assert redis.Redis.from_url(workers.redis_url).llen(workers.queue) == 1
+        assert redis.Redis.from_url(workers.redis_url).llen(workers.queue) == 2
 
 
 def test_event_loop_lag_while_100_guarded_tasks_run(pg_url: str, records: Path) -> None:

@@ -88,6 +88,13 @@ def build(redis_url: str, queue: str, database_url: str, records: Path) -> Simpl
     async def queue_raise(i: int, n: int, seconds: float = 0.2) -> dict[str, Any]:
         return await body("queue_raise", i, n, seconds)
 
+    @broker.task(
+        task_name="queue_existing",
+        taskguard={"key": "qe:{n}", "lock": "queue", "on_conflict": "existing", "ttl": 10},
+    )
+    async def queue_existing(i: int, n: int, seconds: float = 0.2) -> dict[str, Any]:
+        return await body("queue_existing", i, n, seconds)
+
     # Unguarded: samples this worker's event-loop lag (sleeps of 1 ms, overshoot in ms).
     @broker.task(task_name="lag_probe")
     async def lag_probe(seconds: float) -> dict[str, float]:
