@@ -521,6 +521,11 @@ class TaskGuard(AsyncLeases):
         key = normalize_key(key)
         return explain(key, self.events(key, limit=limit), self.get_all(key))
 
+    def waited_for(self) -> int:
+        """How many keys someone is waiting for: an ``acquire(..., wait=)`` still
+        inside its wait (announced on the key's rows, by the database clock)."""
+        return self._store.waited_for()
+
     def db_now(self) -> datetime:
         """The database clock (UTC), as lock statements see it."""
         return self._store.db_now()

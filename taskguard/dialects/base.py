@@ -181,6 +181,8 @@ class LockSQL:
     held_all: Statement
     force_release: Statement
     db_now: Statement
+    #: How many keys a waiter still waits for (``wanted_until`` ahead).
+    waited_for: Statement
     #: Waiting: announce a waiter on a key's rows / withdraw it.
     announce: Statement
     withdraw: Statement

@@ -463,6 +463,10 @@ class Store:
         rows, _ = self.run(self._sql.force_release, {"key": key})
         return [(int(r[0]), r[1], int(r[2]), Holder(*r[3:])) for r in rows]
 
+    def waited_for(self) -> int:
+        rows, _ = self.run(self._sql.waited_for, {})
+        return int(rows[0][0])
+
     def db_now(self) -> datetime:
         rows, _ = self.run(self._sql.db_now, {})
         return self._conv(rows[0][0])

@@ -63,6 +63,8 @@ class Overview:
     #: the key live (the table keeps no limit: a slot never taken has no row).
     keys: int
     at_limit: int
+    #: Keys someone waits for (``acquire(wait=)`` inside its wait).
+    waited_for: int
     oldest: LockInfo | None
     #: Conflicts per hour, oldest hour first (``None``: no history recorded).
     conflicts: list[int] | None
@@ -99,6 +101,7 @@ def overview(guard: TaskGuard) -> Overview:
         expired=len(rows) - len(live),
         keys=len(holders),
         at_limit=len(holders.keys() - free),
+        waited_for=guard.waited_for(),
         oldest=max(live, key=lambda r: r.held_for, default=None),
         conflicts=[sum(h) for h in zip(*(s.hours for s in series), strict=True)]
         if series

@@ -165,6 +165,33 @@ def test_waiter_takes_over_when_a_crashed_holder_expires(db_url: str) -> None:
         guard.dispose()
 
 
+def test_a_waiter_is_counted_while_it_waits(db_url: str) -> None:
+    """``waited_for()`` (the operators' page's "keys with waiters"): a key a process
+    waits for counts while that wait lasts, on the database clock; a held key nobody
+    waits for does not."""
+    guard = TaskGuard(db_url)
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    try:
+        held, other = guard.acquire("w:1", 60), guard.acquire("w:2", 60)
+        assert held is not None and other is not None
+        assert guard.waited_for() == 0
+        waiter = ctx.Process(target=_waiter, args=(db_url, "w:1", 4.0, out))
+        waiter.start()
+        deadline = time.monotonic() + 30
+        while guard.waited_for() == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert guard.waited_for() == 1
+        assert out.get(timeout=60)[0] == "timeout"
+        waiter.join(timeout=30)
+        deadline = time.monotonic() + 30  # its announcement runs out with its wait
+        while guard.waited_for() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert guard.waited_for() == 0
+    finally:
+        guard.dispose()
+
+
 def test_wait_for_a_slot(db_url: str) -> None:
     ctx = mp.get_context("fork")
     ready, out = ctx.Event(), ctx.Queue()

@@ -80,6 +80,7 @@ def test_pages_render_and_filter(leases: TaskGuard) -> None:
     assert cards == {
         "locks held": 3,
         "keys at their limit (of 2 held)": 2,  # feed:1, report:x (both slots)
+        "keys with waiters": 0,  # (test_wait.py counts a waiting process)
         "expired rows not yet reaped": 1,
     }
     assert "<svg" in overview.text and "1 conflict(s) in all" in overview.text

@@ -193,6 +193,7 @@ def test_the_page_in_a_browser(
         assert cards["locks held"] == "8", cards  # feed:1, feed:2, 2 report slots, 4 hostile
         assert cards["keys at their limit"] == "7", cards
         assert cards["expired rows not yet reaped"] == "1", cards
+        assert cards["keys with waiters"] == "0", cards
         assert "oldest hold" in cards and "reaper's last run" in cards
         assert page.locator("svg rect").count() >= 24
         assert "2 conflict(s) in all" in page.inner_text("main")
