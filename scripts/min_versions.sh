@@ -122,7 +122,7 @@ else
     # Playwright are not held down). tests/integration/taskiq needs taskiq-redis (dev),
     # which needs a newer redis than the lowest here: the lowest taskiq runs the unit
     # tests (tests/unit/test_option_table.py).
-    python -m pytest -m "not slow and not docs and not journey and not django_tasks" -n 4 --dist loadgroup \
+    python -m pytest -m "not slow and not docs and not journey and not django_tasks" -n 4 --dist loadfile \
         -k "not (celery and (sqlite or mariadb)) or workers_mariadb or fifty_submissions_during" \
         --deselect tests/integration/test_web.py --deselect tests/integration/test_web_browser.py \
         --ignore tests/integration/taskiq \

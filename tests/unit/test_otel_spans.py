@@ -75,11 +75,12 @@ def test_bad_settings_are_refused(options: dict[str, Any], message: str) -> None
 
 
 def test_uninstrument_disconnects() -> None:
+    # Other modules of the same process may have receivers of their own (a test app's).
+    before = {s: list(s.receivers) for s in (signals.lock_conflict, signals.lease_lost)}
     assert otel.instrument(tracer_provider=TracerProvider())
-    assert signals.lock_conflict.receivers
+    assert all(len(s.receivers) > len(was) for s, was in before.items())
     otel.uninstrument()
-    assert not signals.lock_conflict.receivers
-    assert not signals.lease_lost.receivers
+    assert all(s.receivers == was for s, was in before.items())
 
 
 def test_without_a_tracer_provider_nothing_is_wrapped() -> None:
