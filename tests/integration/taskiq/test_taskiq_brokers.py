@@ -162,7 +162,8 @@ def test_a_killed_runs_message_delivered_again_runs_once_the_key_is_free(meet: M
 
     victim, result = scenario(meet, steps)
     assert not result.is_err and result.return_value == {"ran": 1}, result
-    starts = [r for r in read_records(meet.records, "start") if r["task"] == "long"]
+    starts = sorted((r for r in read_records(meet.records, "start") if r["task"] == "long"),
+                    key=lambda r: r["start"])  # fmt: skip
     ends = [r for r in read_records(meet.records) if r["task"] == "long"]
     assert [r["pid"] == victim for r in starts] == [True, False]
     assert [r["pid"] for r in ends] == [starts[1]["pid"]]
