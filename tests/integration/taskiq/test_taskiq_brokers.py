@@ -153,7 +153,7 @@ def test_a_killed_runs_message_delivered_again_runs_once_the_key_is_free(meet: M
     4 s, it runs (the dead run's lease ran out and is taken over), once."""
 
     async def steps(app: Any) -> Any:
-        handle = await app.long.kiq(1, 1, 1.0)
+        handle = await app.long.kiq(1, 1, 2.0)
         victim = await asyncio.to_thread(wait_for, "the run", lambda: started(meet.records, 1))
         os.kill(victim["pid"], signal.SIGKILL)
         await nudge_until(app, lambda: app.broker.result_backend.is_result_ready(handle.task_id),
