@@ -134,6 +134,7 @@ class TaskGuardMiddleware(Middleware):
             return
         run = GuardedRun(spec, self, message.args, message.kwargs, task_id=message.message_id,
                          actions=_RunActions(), redelivers=True)  # fmt: skip
+        self._runs.current = run  # from now on, the after_* hooks end it
         try:
             began = run.begin()
         except Exception as exc:  # Retry, AlreadyLocked (on_conflict="raise"), an outage
@@ -142,13 +143,19 @@ class TaskGuardMiddleware(Middleware):
         if not began:  # skipped (the core logged the key and its holder)
             raise SkipMessage(run.outcome)
         run.enter()
-        self._runs.current = run
 
     def after_process_message(
         self, broker: Any, message: Any, *, result: Any = None, exception: Any = None
     ) -> None:
-        run, self._runs.current = getattr(self._runs, "current", None), None  # set once a run began
+        run, self._runs.current = getattr(self._runs, "current", None), None
         if run is not None:  # a failed message may be retried: no finished record then
             run.exit(final=exception is None)
 
-    after_skip_message = after_process_message
+    def after_skip_message(self, broker: Any, message: Any) -> None:
+        spec = self.specs.get(message.actor_name)
+        if getattr(self._runs, "current", None) is None and spec and spec.opts.locks_queue:
+            # skipped before its run began (AgeLimit): the lease its send took goes back
+            run = GuardedRun(spec, self, message.args, message.kwargs, task_id=message.message_id)
+            if (lease := run._adopt(spec.durations(self).ttl)) is not None:
+                run.guard.release(lease)
+        self.after_process_message(broker, message)

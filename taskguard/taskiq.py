@@ -22,6 +22,7 @@ import asyncio
 import contextvars
 import functools
 import inspect
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -128,11 +129,23 @@ class TaskguardMiddleware(TaskiqMiddleware):
         if spec is None or not spec.opts.locks_queue:
             return message
         loop, sent = asyncio.get_running_loop(), self.broker.formatter.dumps(message)
-        answer = await asyncio.to_thread(
-            enqueue_locked, spec, self, tuple(message.args), message.kwargs,
-            lambda: asyncio.run_coroutine_threadsafe(self._kick(sent), loop).result(),
+        cancelled = threading.Event()
+
+        def publish() -> None:
+            if cancelled.is_set():  # kiq cancelled meanwhile: its lease goes back, nothing sent
+                raise asyncio.CancelledError
+            asyncio.run_coroutine_threadsafe(self._kick(sent), loop).result()
+
+        call = asyncio.ensure_future(asyncio.to_thread(
+            enqueue_locked, spec, self, tuple(message.args), message.kwargs, publish,
             job_id=lambda _: message.task_id, actions=_Answered(), task_id=message.task_id,
-        )  # fmt: skip
+        ))  # fmt: skip
+        try:
+            answer = await asyncio.shield(call)
+        except asyncio.CancelledError:  # the acquire outlives it: wait for its lease to go back
+            cancelled.set()
+            await asyncio.wait([call])
+            raise
         if isinstance(answer, str):  # the queued job's id: kiq's handle names that job
             message.task_id = answer
         elif isinstance(answer, TaskiqResult):  # skipped: the marker is its result
