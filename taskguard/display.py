@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
+from typing import Protocol
 
 from taskguard.companions import KINDS, kind
 from taskguard.history import EVENTS, LockEvent
@@ -138,7 +139,19 @@ def _dash(value: object) -> str:
     return "-" if value is None or value == "" else str(value)
 
 
-def phase_text(info: LockInfo) -> str:
+class LockRow(Protocol):
+    """What the phase and slots columns read of a lock row: a :class:`LockInfo`, or
+    the Django admin's row of the ``task_locks_held`` view."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def phase(self) -> str | None: ...
+    @property
+    def slots(self) -> int | None: ...
+
+
+def phase_text(info: LockRow) -> str:
     """The lock phase of a row (``queue``, ``run``), or ``-``: a plain acquire, or a
     row written before phases were recorded."""
     return _dash(info.phase)
@@ -149,7 +162,7 @@ def slots_in_use(infos: Iterable[LockInfo]) -> Counter[str]:
     return Counter(info.key for info in infos if info.held)
 
 
-def slots_text(info: LockInfo, in_use: Mapping[str, int]) -> str:
+def slots_text(info: LockRow, in_use: Mapping[str, int]) -> str:
     """``2 of 3``: the live rows of the row's key (``in_use``: :func:`slots_in_use` of
     the key's rows) of the limit its grant recorded; ``-`` when not recorded."""
     return "-" if info.slots is None else f"{in_use.get(info.key, 0)} of {info.slots}"

@@ -325,7 +325,7 @@ def test_human_output_escapes_control_characters(url: str, env: dict[str, str]) 
 
     out = tg("show", FORGED_KEY, env=env)
     _inert(out)
-    assert len(out.splitlines()) == 13, out  # one line per field
+    assert len(out.splitlines()) == 15, out  # one line per field
     assert "key:        evil\\nforged:row" in out and "task id:    id\\n2" in out
 
     out = tg("explain", FORGED_KEY, env=env)

@@ -134,10 +134,12 @@ def test_phases_and_slots_shown_filtered_and_counted(guard: TaskGuard, db_url: s
     assert guard.try_acquire("job:r", 300, task_name="app.job", phase=Phase.RUN).lease
     for _ in range(2):
         assert guard.acquire("batch:y", 300, limit=3, task_name="app.batch")
-    assert guard.acquire("old:z", 300)
+    old = guard.acquire("old:z", 300)
+    assert old is not None
     engine = create_engine(db_url)
     with engine.begin() as conn:  # a row written before tg0003
-        conn.execute(text("UPDATE task_locks SET phase = NULL, slots = NULL WHERE key = 'old:z'"))
+        forget = "UPDATE task_locks SET phase = NULL, slots = NULL WHERE owner = :owner"
+        conn.execute(text(forget), {"owner": old.owner})
     engine.dispose()
     client = _client(guard, operator=None)
 
