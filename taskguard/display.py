@@ -10,9 +10,11 @@ not go through here: ``json.dumps`` escapes on its own and keeps values exact.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
+from typing import Protocol
 
 from taskguard.companions import KINDS, kind
 from taskguard.history import EVENTS, LockEvent
@@ -22,16 +24,21 @@ __all__ = [
     "format_duration",
     "lock_details",
     "locks_table",
+    "phase_text",
     "printable",
     "printable_event",
     "printable_info",
+    "slots_in_use",
+    "slots_text",
     "table",
 ]
 
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\\": "\\\\"}
 
 #: The columns of ``taskguard locks`` (and of the demo's mid-run listing).
-LOCKS_HEADERS = ("KEY", "SLOT", "TOKEN", "TASK", "HOST", "PID", "HELD FOR", "EXPIRES IN")
+LOCKS_HEADERS = (
+    "KEY", "PHASE", "SLOT", "SLOTS", "TOKEN", "TASK", "HOST", "PID", "HELD FOR", "EXPIRES IN"
+)  # fmt: skip
 
 
 def _escape(char: str) -> str:
@@ -132,16 +139,48 @@ def _dash(value: object) -> str:
     return "-" if value is None or value == "" else str(value)
 
 
+class LockRow(Protocol):
+    """What the phase and slots columns read of a lock row: a :class:`LockInfo`, or
+    the Django admin's row of the ``task_locks_held`` view."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def phase(self) -> str | None: ...
+    @property
+    def slots(self) -> int | None: ...
+
+
+def phase_text(info: LockRow) -> str:
+    """The lock phase of a row (``queue``, ``run``), or ``-``: a plain acquire, or a
+    row written before phases were recorded."""
+    return _dash(info.phase)
+
+
+def slots_in_use(infos: Iterable[LockInfo]) -> Counter[str]:
+    """Live rows per key among ``infos`` (read together: one database time)."""
+    return Counter(info.key for info in infos if info.held)
+
+
+def slots_text(info: LockRow, in_use: Mapping[str, int]) -> str:
+    """``2 of 3``: the live rows of the row's key (``in_use``: :func:`slots_in_use` of
+    the key's rows) of the limit its grant recorded; ``-`` when not recorded."""
+    return "-" if info.slots is None else f"{in_use.get(info.key, 0)} of {info.slots}"
+
+
 def locks_table(infos: Sequence[LockInfo], *, with_state: bool = False) -> list[str]:
     """Lock rows in the columns of ``taskguard locks`` (plus STATE with ``with_state``:
     held, expired, or the kind of a live companion row: finished, pending, rate, debounce)."""
     headers = list(LOCKS_HEADERS) + (["STATE"] if with_state else [])
+    in_use = slots_in_use(infos)
     rows = []
     for info in infos:
         h = info.holder
         row = [
             info.key,
+            phase_text(info),
             str(info.slot),
+            slots_text(info, in_use),
             str(info.token),
             _dash(h.task_name),
             _dash(h.hostname),
@@ -170,14 +209,19 @@ def _state(info: LockInfo, ending: LockEvent | None) -> str:
     return f"free, {how} {ago} ago{f' ({ending.detail})' if ending.detail else ''}"
 
 
-def lock_details(info: LockInfo, ending: LockEvent | None = None) -> str:
+def lock_details(
+    info: LockInfo, ending: LockEvent | None = None, in_use: Mapping[str, int] | None = None
+) -> str:
     """One lock row as ``name: value`` lines (``taskguard show``); ``ending``: how
-    its lease ended, as the key's history tells it (:func:`taskguard.history.endings`)."""
+    its lease ended, as the key's history tells it (:func:`taskguard.history.endings`);
+    ``in_use``: :func:`slots_in_use` of the key's rows (default: this row's alone)."""
     h = info.holder
     fields = [
         ("key", info.key),
         ("slot", str(info.slot)),
+        ("slots", slots_text(info, slots_in_use([info]) if in_use is None else in_use)),
         ("state", _state(info, ending)),
+        ("phase", phase_text(info)),
         ("owner", info.owner),
         ("token", str(info.token)),
         ("task", _dash(h.task_name)),

@@ -134,12 +134,19 @@ class Fenced:
         """``True`` if ``release`` was put off to the end of the fenced transaction,
         which is still open on this thread; ``False``: release now (it has ended, or
         this is another thread, which may wait for it)."""
+        if not self.waits(lease):
+            return False
+        self._at_end(lambda: _release_after(lease, release))
+        return True
+
+    def waits(self, lease: Any) -> bool:
+        """Whether a release of ``lease`` called now waits for the fenced transaction's
+        end: it is still open, on this thread (:meth:`defer` puts such a release off)."""
         if self.thread != threading.get_ident():
             return False
         if not self._open():
             FENCED.pop(lease.owner, None)
             return False
-        self._at_end(lambda: _release_after(lease, release))
         return True
 
     def ended(self) -> bool:

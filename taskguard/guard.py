@@ -28,6 +28,7 @@ from taskguard.lease import (
     ReapResult,
     describe_holder,
 )
+from taskguard.options import Phase
 from taskguard.store import Recorder, Store, Unrecorded
 from taskguard.urls import url_source
 from taskguard.validation import (
@@ -183,6 +184,7 @@ class TaskGuard(AsyncLeases):
         wait: float | timedelta | None = None,
         unless: str | None = None,
         record_refusal: bool = True,
+        phase: Phase | None = None,
     ) -> Attempt:
         """:meth:`acquire`, also saying who holds the key when it is taken: an
         :class:`~taskguard.lease.Attempt` ``(lease, holder)`` with the holder read
@@ -191,9 +193,11 @@ class TaskGuard(AsyncLeases):
         ``unless=K``: refused while key K is held, e.g. a :class:`Marker` left by
         :meth:`release` (checked by the acquire statement itself where the dialect
         can); the holder is then K's row if ``key`` itself is free.
-        ``record_refusal=False``: a refusal is logged, not recorded in the history."""
+        ``record_refusal=False``: a refusal is logged, not recorded in the history.
+        ``phase``: the lock phase the lease is taken for (a guarded task's enqueue or
+        run), recorded in the row for operators (:attr:`LockInfo.phase`)."""
         details = (task_name, task_id, hostname, pid, slot, limit, min_hold, wait)
-        return self._attempt(key, ttl, *details, unless, record_refusal)
+        return self._attempt(key, ttl, *details, unless, record_refusal, phase)
 
     def _attempt(
         self,
@@ -209,6 +213,7 @@ class TaskGuard(AsyncLeases):
         wait: float | timedelta | None,
         unless: str | None = None,
         record_refusal: bool = True,
+        phase: Phase | None = None,
     ) -> Attempt:
         key = normalize_key(key)
         if unless is not None:
@@ -217,13 +222,14 @@ class TaskGuard(AsyncLeases):
         holder = holder_for(self.hostname, task_name, task_id, hostname, pid, slot)
         store = self._store
         if limit == 1 and min_hold is None and wait is None and type(limit) is int:
-            return self.take(key, seconds, holder, unless, record_refusal, slot)
+            return self.take(key, seconds, holder, unless, record_refusal, slot, phase)
         n = validate_limit(limit, slot)
         hold = optional_seconds(min_hold, "min_hold")
         waiting = optional_seconds(wait, "wait")
         # One owner for every attempt (the waiters' queue knows it); the row keeps the
         # throttle window, so a crashed holder frees it no earlier.
-        values = store.grant_values(key, slot, new_owner(), max(seconds, hold), holder, n, unless)
+        owner, seconds_held = new_owner(), max(seconds, hold)
+        values = store.grant_values(key, slot, owner, seconds_held, holder, n, unless, phase)
 
         def attempt() -> Lease | None:
             return store.grant(values, n, seconds, hold)
@@ -293,19 +299,22 @@ class TaskGuard(AsyncLeases):
         unless: str | None = None,
         record_refusal: bool = True,
         slot: int = 0,
+        phase: Phase | None = None,
         _tries: int = ATTEMPTS_WHEN_FREED,
     ) -> Attempt:
         """:meth:`try_acquire` of one slot for an integration's run, whose key is
         stored form (:func:`~taskguard.validation.normalize_key`), ``seconds`` validated and
         ``holder`` complete: nothing is validated again (this is every run's path). A
         refusal whose holder released before it could be read is tried again (the key
-        is likely free now), :data:`ATTEMPTS_WHEN_FREED` times in all."""
-        values = self._store.grant_values(key, slot, new_owner(), seconds, holder, 1, unless)
+        is likely free now), :data:`ATTEMPTS_WHEN_FREED` times in all. ``phase``: as
+        :meth:`try_acquire`'s."""
+        values = self._store.grant_values(key, slot, new_owner(), seconds, holder, 1, unless, phase)
         lease, seen = self._store.grant_seeing(values, seconds)
         if lease is None:
             attempt = self._outcome(lease, values, holder, None, seen, record_refusal)
             if attempt.holder is None and _tries > 1:
-                return self.take(key, seconds, holder, unless, record_refusal, slot, _tries - 1)
+                again = (unless, record_refusal, slot, phase, _tries - 1)
+                return self.take(key, seconds, holder, *again)
             return attempt
         self._history.acquired(lease, values)
         return Attempt(lease, None)
@@ -356,6 +365,7 @@ class TaskGuard(AsyncLeases):
         task_id: str | None = None,
         hostname: str | None = None,
         pid: int | None = None,
+        phase: Phase | None = None,
     ) -> Lease | None:
         """Take over a live lease by its owner id (e.g. one a publisher acquired and
         handed to the worker in the message), renewing it to ``ttl``; pass the
@@ -363,22 +373,30 @@ class TaskGuard(AsyncLeases):
         longer holds the key. ``exclusive=True``: in the same statement the lease
         passes to a new owner id (the returned lease's) and holder (``task_name``,
         ``task_id``, ``hostname``, ``pid`` as for :meth:`acquire`; same row, token and
-        ``acquired_at``), so of several callers adopting one owner id one gets it."""
+        ``acquired_at``), so of several callers adopting one owner id one gets it,
+        and with ``phase`` the row's phase changes (a run adopting its enqueue's lease)."""
         key = normalize_key(key)
         seconds = validate_ttl(ttl)
         hold = optional_seconds(min_hold, "min_hold")
         holder = adopter_for(self.hostname, exclusive, task_name, task_id, hostname, pid, slot)
         if holder is not None:  # exclusive: the hand-over, validated
-            return self.take_over(key, owner, seconds, holder, slot, hold)
+            return self.take_over(key, owner, seconds, holder, slot, hold, phase)
         return self._store.adopt(key, owner, slot, seconds, hold, None)
 
     def take_over(
-        self, key: str, owner: str, seconds: float, holder: Holder, slot: int, min_hold: float
+        self,
+        key: str,
+        owner: str,
+        seconds: float,
+        holder: Holder,
+        slot: int,
+        min_hold: float,
+        phase: Phase | None = None,
     ) -> Lease | None:
         """:meth:`adopt` with ``exclusive=True`` for an integration's run (a lease handed
         over in a message), whose key is stored form, ``seconds`` validated and
         ``holder`` complete: nothing is validated again (every hand-over's path)."""
-        lease = self._store.adopt(key, owner, slot, seconds, min_hold, (new_owner(), holder))
+        lease = self._store.adopt(key, owner, slot, seconds, min_hold, (new_owner(), holder), phase)
         if lease is not None:
             self._history.handed_over(owner, lease, holder)
         return lease

@@ -103,7 +103,13 @@ class Lease:
 
 @dataclass(frozen=True, slots=True)
 class LockInfo:
-    """A row of ``task_locks`` as read at database time ``read_at``."""
+    """A row of ``task_locks`` as read at database time ``read_at``.
+
+    ``phase``: the lock phase the lease is in, a :class:`taskguard.options.Phase`
+    (``queue``: taken at enqueue, the job waits to run; ``run``: held by a running
+    job); ``None`` for a plain :meth:`~taskguard.TaskGuard.acquire` and for rows
+    written before it was recorded. ``slots``: the key's limit N as the grant asked
+    for it (1: a mutex; ``None``: not recorded)."""
 
     key: str
     slot: int
@@ -113,6 +119,8 @@ class LockInfo:
     expires_at: datetime
     holder: Holder
     read_at: datetime
+    phase: str | None = None
+    slots: int | None = None
 
     @property
     def task_name(self) -> str | None:
@@ -157,9 +165,10 @@ class LockInfo:
             f"expires {self.expires_at.isoformat()}"
         )
 
-    def to_dict(self) -> dict[str, object]:
-        """A JSON-friendly form (used by ``taskguard locks --json``)."""
-        return {
+    def to_dict(self, slots_in_use: int | None = None) -> dict[str, object]:
+        """A JSON-friendly form (used by ``taskguard locks --json``); ``slots_in_use``:
+        how many of the key's rows are live, where the caller read them all."""
+        found: dict[str, object] = {
             "key": self.key,
             "slot": self.slot,
             "owner": self.owner,
@@ -168,12 +177,17 @@ class LockInfo:
             "task_id": self.holder.task_id,
             "hostname": self.holder.hostname,
             "pid": self.holder.pid,
+            "phase": self.phase and str(self.phase),
+            "slots": self.slots,
             "acquired_at": self.acquired_at.isoformat(),
             "expires_at": self.expires_at.isoformat(),
             "held": self.held,
             "held_for_seconds": round(self.held_for.total_seconds(), 3),
             "expires_in_seconds": round(self.expires_in.total_seconds(), 3),
         }
+        if slots_in_use is not None:
+            found["slots_in_use"] = slots_in_use
+        return found
 
 
 def describe_holder(holder: LockInfo | None) -> str:

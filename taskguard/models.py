@@ -140,6 +140,12 @@ class TaskLock(Base):
     task_id: Mapped[str | None] = mapped_column(String(255))
     hostname: Mapped[str | None] = mapped_column(String(255))
     pid: Mapped[int | None] = mapped_column(Integer)
+    #: The lock phase the lease is in (``queue``: taken at enqueue, the job waits to
+    #: run; ``run``: held by a running job); NULL for a plain acquire and older rows.
+    phase: Mapped[str | None] = mapped_column(String(8))
+    #: The key's concurrency limit N as the grant asked for it (1 for a mutex); NULL
+    #: in rows written before it was recorded.
+    slots: Mapped[int | None] = mapped_column(SmallInteger)
     # Waiting (``acquire(..., wait=...)``); NULL unless someone waited for this row.
     #: Latest deadline of any waiter: a release before it NOTIFYs (PostgreSQL trigger).
     wanted_until: Mapped[datetime | None] = mapped_column(UTCDateTime)

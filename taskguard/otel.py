@@ -29,9 +29,11 @@ from typing import Any
 from taskguard import __version__, signals
 from taskguard import guard as guard_module
 from taskguard.exceptions import ConfigurationError
+from taskguard.fencing import FENCED
 from taskguard.guard import TaskGuard
 from taskguard.held_lease import active_run
 from taskguard.lease import Attempt, Lease, LockInfo
+from taskguard.options import Phase
 
 __all__ = ["instrument", "uninstrument"]
 
@@ -66,6 +68,12 @@ def _holder(info: LockInfo) -> dict[str, Any]:
         "taskguard.lock.holder.token": info.token,
     }
     return {name: value for name, value in found.items() if value is not None}
+
+
+def _phase(args: tuple[Any, ...], kwargs: dict[str, Any], at: int) -> Phase | None:
+    """The ``phase`` argument of a wrapped call (``at``: its place after the key)."""
+    found = kwargs.get("phase", args[at] if len(args) > at else None)
+    return found if isinstance(found, Phase) else None
 
 
 def _granted(lease: Lease | None, outcome: str, otherwise: str) -> dict[str, Any]:
@@ -104,13 +112,17 @@ class _Tracing:
 
     # -- spans ------------------------------------------------------------------------
 
-    def attributes(self, key: str) -> dict[str, Any]:
-        """The key (if asked for), and the phase and strategy of the guarded run
-        executing here (an integration's run: :func:`taskguard.held_lease.enter_run`)."""
+    def attributes(self, key: str, phase: Phase | None = None) -> dict[str, Any]:
+        """The key (if asked for), the lock phase the call names (an enqueue's
+        ``queue``), and the phase and strategy of the guarded run executing here (an
+        integration's run: :func:`taskguard.held_lease.enter_run`) unless the call is
+        an enqueue's (a job enqueuing another: not its own lease)."""
         found: dict[str, Any] = {"taskguard.lock.key": key} if self.record_keys else {}
-        run = active_run()
+        if phase is not None:
+            found["taskguard.lock.phase"] = str(phase)
+        run = active_run() if phase is not Phase.QUEUE else None
         if run is not None:
-            found["taskguard.lock.phase"] = "run"
+            found["taskguard.lock.phase"] = str(Phase.RUN)
             opts = getattr(run, "opts", None) or getattr(getattr(run, "spec", None), "opts", None)
             if opts is not None:
                 found["taskguard.lock.strategy"] = str(opts.conflict)
@@ -123,13 +135,14 @@ class _Tracing:
         extra: dict[str, Any],
         call: Callable[[], Any],
         describe: Callable[[Any, Any, dict[str, Any]], dict[str, Any]],
+        phase: Phase | None = None,
     ) -> Any:
         """``call()`` in a span ``name``; ``describe(result, parent span, attributes
-        of the context)``: the attributes its result adds."""
+        of the context)``: the attributes its result adds; ``phase``: the call's."""
         if _inside.get():
             return call()
         parent = self.trace.get_current_span()
-        found = self.attributes(key)
+        found = self.attributes(key, phase)
         token = _inside.set(True)
         try:
             with self.tracer.start_as_current_span(name, attributes={**found, **extra}) as span:
@@ -212,24 +225,36 @@ class _Tracing:
         limit_1 = {"taskguard.lock.limit": 1}
 
         def take_(guard: TaskGuard, key: str, *args: Any, **kwargs: Any) -> Any:
+            # take(key, seconds, holder, unless, record_refusal, slot, phase, ...)
             run = lambda: take(guard, key, *args, **kwargs)  # noqa: E731
-            return self.span("taskguard.acquire", key, limit_1, run, self.acquired)
+            phase = _phase(args, kwargs, 5)
+            return self.span("taskguard.acquire", key, limit_1, run, self.acquired, phase)
 
         def attempt_(guard: TaskGuard, key: str, ttl: Any, *details: Any) -> Any:
-            # _attempt(key, ttl, task_name, task_id, hostname, pid, slot, limit, ...)
+            # _attempt(key, ttl, task_name, task_id, hostname, pid, slot, limit, min_hold,
+            # wait, unless, record_refusal, phase)
             extra = {"taskguard.lock.limit": details[5]}
             run = lambda: attempt(guard, key, ttl, *details)  # noqa: E731
-            return self.span("taskguard.acquire", key, extra, run, self.acquired)
+            phase = _phase(details, {}, 10)
+            return self.span("taskguard.acquire", key, extra, run, self.acquired, phase)
 
         def adopt_(guard: TaskGuard, key: str, *args: Any, **kwargs: Any) -> Any:
             run = lambda: adopt(guard, key, *args, **kwargs)  # noqa: E731
-            return self.span("taskguard.adopt", key, {}, run, self.adopted)
+            phase = _phase((), kwargs, 0)
+            return self.span("taskguard.adopt", key, {}, run, self.adopted, phase)
 
         def take_over_(guard: TaskGuard, key: str, *args: Any, **kwargs: Any) -> Any:
+            # take_over(key, owner, seconds, holder, slot, min_hold, phase)
             run = lambda: take_over(guard, key, *args, **kwargs)  # noqa: E731
-            return self.span("taskguard.adopt", key, {}, run, self.adopted)
+            phase = _phase(args, kwargs, 5)
+            return self.span("taskguard.adopt", key, {}, run, self.adopted, phase)
 
         def give_back_(guard: TaskGuard, lease: Lease, *args: Any, **kwargs: Any) -> Any:
+            fenced = FENCED.get(lease.owner)
+            if fenced is not None and fenced.waits(lease):
+                # Put off to the end of the transaction that fenced it: that release,
+                # through this wrapper again, is its one span.
+                return give_back(guard, lease, *args, **kwargs)
             run = lambda: give_back(guard, lease, *args, **kwargs)  # noqa: E731
             return self.span("taskguard.release", lease.key, {}, run, self.released(lease))
 
@@ -281,7 +306,7 @@ class _Tracing:
         current = self.trace.get_current_span()
         if current.is_recording():
             found = self.attributes(str(key))
-            found.setdefault("taskguard.lock.phase", "queue")  # outside a run: at enqueue
+            found.setdefault("taskguard.lock.phase", str(Phase.QUEUE))  # outside a run: at enqueue
             found["taskguard.lock.strategy"] = str(action)
             current.add_event("taskguard.lock.conflict", found)
 

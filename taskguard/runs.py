@@ -32,7 +32,7 @@ from taskguard.guard import TaskGuard
 from taskguard.held_lease import Hold, Interrupter, enter_run, exit_run, release_when_reachable
 from taskguard.held_lease import valid_until as local_deadline
 from taskguard.lease import Holder, Lease, LockInfo, Marker, describe_holder
-from taskguard.options import Conflict, Durations, Framework, GuardOptions, durations
+from taskguard.options import Conflict, Durations, Framework, GuardOptions, Phase, durations
 from taskguard.results import skipped_result
 from taskguard.validation import holder_for, normalize_key, validate_ttl
 
@@ -230,11 +230,11 @@ class GuardedRun(Hold):
         if lease is None:
             unless = self.finished.key if self.finished is not None else None
             if opts.plain:  # one slot, no wait: the key and ttl are in stored form already
-                lease, holder = guard.take(self.key, times.ttl, self.holder(), unless)
+                lease, holder = guard.take(self.key, times.ttl, self.holder(), unless, phase=Phase.RUN)  # fmt: skip
             else:
                 lease, holder = guard.try_acquire(
                     self.key, times.ttl, wait=times.wait_timeout, task_name=self.name,
-                    task_id=self.task_id, unless=unless, **opts.acquire_options,
+                    task_id=self.task_id, unless=unless, phase=Phase.RUN, **opts.acquire_options,
                 )  # fmt: skip
             if lease is None:
                 self.outcome = self._conflict(holder, times)
@@ -355,7 +355,7 @@ class GuardedRun(Hold):
             return None
         return self.guard.adopt(
             self.key, mine[0].owner, ttl, slot=mine[0].slot, exclusive=True,
-            task_name=self.name, task_id=self.task_id,
+            task_name=self.name, task_id=self.task_id, phase=Phase.RUN,
         )  # fmt: skip
 
     def _conflict(self, holder: LockInfo | None, times: Durations) -> Any:
@@ -411,8 +411,9 @@ def enqueue_locked(
     key, ttl = spec.key(args, kwargs), spec.durations(app).queue_ttl
     try:
         lease, holder = guard.try_acquire(
-            key, ttl, task_name=spec.name, task_id=task_id, **spec.opts.acquire_options
-        )
+            key, ttl, task_name=spec.name, task_id=task_id, phase=Phase.QUEUE,
+            **spec.opts.acquire_options,
+        )  # fmt: skip
     except OutcomeUnknown as exc:  # it may land later: given back once the database answers
         now = datetime.now(timezone.utc)
         maybe = Lease(key, exc.owner, 0, now, now + timedelta(seconds=ttl), ttl)

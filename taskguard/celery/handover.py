@@ -40,6 +40,7 @@ from taskguard.celery.lease_calls import (
 from taskguard.celery.message import Handed, Header, Submission, carry, stored_task_id
 from taskguard.guard import TaskGuard
 from taskguard.lease import Holder, Lease, LockInfo
+from taskguard.options import Phase
 
 __all__ = ["publish", "start_queue_phase", "take_over"]
 
@@ -89,7 +90,7 @@ def take_over(
     given = Handed.of(carried)
     holder = Holder(task.name, stored_id, request.hostname, os.getpid())
     for owner in (given.owner, given.alternate) if given.alternate else (given.owner,):
-        lease = guard.take_over(key, owner, ttl, holder, given.slot, given.min_hold)
+        lease = guard.take_over(key, owner, ttl, holder, given.slot, given.min_hold, Phase.RUN)
         if lease is not None:
             signals.lock_acquired.send(sender=task, key=key, lease=lease)
             return lease, False, None
@@ -106,11 +107,11 @@ def publish(sub: Submission) -> Any:
     task, guard, extra = sub.task, sub.guard, sub.opts.acquire_options
     tid = stored_task_id(sub.task_id)
     if extra:  # a limit or a throttle window, validated with the holder
-        details = {"task_name": task.name, "task_id": tid, **extra}
+        details = {"task_name": task.name, "task_id": tid, "phase": Phase.QUEUE, **extra}
         lease, holder = acquire_or_holder(guard, sub.key, sub.ttl, **details)
     else:  # one lean acquire: the key, ttl and holder are in stored form already
         who = Holder(task.name, tid, guard.hostname, os.getpid())
-        lease, holder = acquire_or_holder(guard, sub.key, sub.ttl, who)
+        lease, holder = acquire_or_holder(guard, sub.key, sub.ttl, who, phase=Phase.QUEUE)
     if lease is None:
         return sub.opts.strategy.held_at_enqueue(sub, holder)
     signals.lock_acquired.send(sender=task, key=sub.key, lease=lease)

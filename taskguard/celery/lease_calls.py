@@ -49,7 +49,7 @@ def acquire_or_holder(
     whose holder released before it could be read is tried again (the key is likely
     free now), as :meth:`TaskGuard.take` does."""
     if holder is not None:
-        attempt = guard.take(key, ttl, holder)
+        attempt = guard.take(key, ttl, holder, **details)
         return attempt.lease, attempt.holder
     for _ in range(ATTEMPTS_WHEN_FREED):
         attempt = guard.try_acquire(key, ttl, **details)

@@ -38,6 +38,7 @@ from taskguard.config import guard_for
 from taskguard.exceptions import DatabaseUnavailable
 from taskguard.held_lease import Hold, Interrupter, enter_run, exit_run, valid_until
 from taskguard.lease import Holder, Lease, LockInfo, Marker
+from taskguard.options import Phase
 from taskguard.results import is_marker
 
 __all__ = ["Run"]
@@ -100,7 +101,7 @@ class Run(Hold):
             return self._queue_phase()
         if self.opts.plain and header.lease is None:
             # The common case: one acquire, nothing to adopt, no pending place or rate.
-            attempt = self.guard.take(self.key, self.ttl, self.holder, self.done)
+            attempt = self.guard.take(self.key, self.ttl, self.holder, self.done, phase=Phase.RUN)
             if attempt.lease is None:
                 return self._refused(attempt.holder, None, None)
             self._hold(attempt.lease, taken=True)
@@ -196,6 +197,7 @@ class Run(Hold):
             # A start deferred while the key is busy (a pending run, a rate= start)
             # records its first refusal only.
             "record_refusal": self.header.polls == 0,
+            "phase": Phase.RUN,
             **opts.acquire_options,
         }
         if not opts.mode.waits:  # a holder gone before it was read: tried again

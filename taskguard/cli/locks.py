@@ -19,7 +19,7 @@ from taskguard.cli.errors import EXIT_NOT_FOUND, EXIT_USAGE, fail
 from taskguard.cli.root import celery_app, database_url_option, main_group, open_guard
 from taskguard.companions import companion_rows, describe_companions
 from taskguard.config import setting
-from taskguard.display import lock_details, locks_table, printable
+from taskguard.display import lock_details, locks_table, printable, slots_in_use
 from taskguard.guard import TaskGuard
 from taskguard.history import endings
 from taskguard.lease import Lease, LockInfo
@@ -28,7 +28,8 @@ __all__ = ["locks", "reap", "release", "show"]
 
 
 def _json(infos: Sequence[LockInfo]) -> str:
-    return json.dumps([info.to_dict() for info in infos], indent=2)
+    in_use = slots_in_use(infos)
+    return json.dumps([info.to_dict(in_use[info.key]) for info in infos], indent=2)
 
 
 # -- commands --------------------------------------------------------------------------
@@ -113,7 +114,8 @@ def show(
         click.echo(_json(shown))
         return
     lines = describe_companions(key, lambda _prefix: rows)  # [coalesce/rate/debounce]
-    blocks = [lock_details(info, ends.get((info.slot, info.owner))) for info in shown]
+    in_use = slots_in_use(shown)
+    blocks = [lock_details(info, ends.get((info.slot, info.owner)), in_use) for info in shown]
     if lines:
         blocks.append("\n".join(printable(line, backslashes=False) for line in lines))
     if not infos:

@@ -45,6 +45,7 @@ from taskguard.models import TaskLock, TaskLockEvent
 __all__ = [
     "EV",
     "HOLDER_COLS",
+    "INFO_COLS",
     "RESERVE_GRACE",
     "Dialect",
     "Driver",
@@ -64,6 +65,9 @@ RESERVE_GRACE = 0.5
 T: Table = TaskLock.__table__  # type: ignore[assignment]
 EV: Table = TaskLockEvent.__table__  # type: ignore[assignment]
 HOLDER_COLS = ("task_name", "task_id", "hostname", "pid")
+#: A row as the reads return it after its lease columns: the holder, then the lock
+#: phase and the key's limit the grant recorded (``get``'s shape, then ``read_at``).
+INFO_COLS = (*HOLDER_COLS, "phase", "slots")
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,7 +57,7 @@ from sqlalchemy.sql import func
 from sqlalchemy.sql.elements import BindParameter
 
 from taskguard.dialects.base import (
-    HOLDER_COLS,
+    INFO_COLS,
     RESERVE_GRACE,
     Dialect,
     Driver,
@@ -97,7 +97,10 @@ def free_sql(row: str, owner: str) -> str:
     )
 
 
-_COLS = "`key`, slot, owner, token, acquired_at, expires_at, task_name, task_id, hostname, pid"
+_COLS = (
+    "`key`, slot, owner, token, acquired_at, expires_at, task_name, task_id, hostname, pid, "
+    "phase, slots"
+)
 # @tg_take is computed by the first assignment (from the old row) and read by the rest.
 _TAKEOVER = (
     f"owner = IF(@tg_take := ({free_sql('task_locks', 'VALUES(owner)')}), VALUES(owner), owner), "
@@ -108,6 +111,8 @@ _TAKEOVER = (
     "task_id = IF(@tg_take, VALUES(task_id), task_id), "
     "hostname = IF(@tg_take, VALUES(hostname), hostname), "
     "pid = IF(@tg_take, VALUES(pid), pid), "
+    "phase = IF(@tg_take, VALUES(phase), phase), "
+    "slots = IF(@tg_take, VALUES(slots), slots), "
     # The reserved waiter's grant uses its reservation up; another waiter's is kept.
     # next_owner goes last: the two before it read the old one.
     "next_since = IF(@tg_take AND next_owner = VALUES(owner), NULL, next_since), "
@@ -120,11 +125,14 @@ _TAKEOVER = (
 ACQUIRE = f"""
 INSERT INTO task_locks ({_COLS})
 VALUES (:key, :slot, :owner, NEXT VALUE FOR task_locks_token_seq, {NOW}, {PLUS_TTL},
-        :task_name, :task_id, :hostname, :pid)
+        :task_name, :task_id, :hostname, :pid, :phase, :n)
 ON DUPLICATE KEY UPDATE {_TAKEOVER}
 RETURNING owner, token, acquired_at, expires_at, `key`, slot, task_name, task_id, hostname, pid,
-          {NOW}
+          phase, slots, {NOW}
 """
+
+#: Columns of ACQUIRE's rows: the lease's four, the rest of ``get``'s row, read_at.
+_ACQUIRE_WIDTH = 4 + 2 + len(INFO_COLS) + 1
 
 #: Concurrency limit: a random slot of 0..n-1 that has no row or a free one.
 #: -> no row (all taken) or (slot, owner, token, acquired_at, expires_at): granted
@@ -133,7 +141,7 @@ ACQUIRE_SLOTS = f"""
 INSERT INTO task_locks ({_COLS})
 WITH RECURSIVE s(slot) AS (SELECT 0 UNION ALL SELECT slot + 1 FROM s WHERE slot + 1 < :n)
 SELECT :key, s.slot, :owner, NEXT VALUE FOR task_locks_token_seq, {NOW}, {PLUS_TTL},
-       :task_name, :task_id, :hostname, :pid
+       :task_name, :task_id, :hostname, :pid, :phase, :n
 FROM s
 WHERE NOT EXISTS (
     SELECT 1 FROM task_locks AS t
@@ -213,7 +221,8 @@ RENEW_HOLD = (
 #: follows finds the lease by its new owner (``:owner``).
 _HANDED = f"`key` = :key AND slot = :slot AND owner = :from_owner AND expires_at > {NOW}"
 _NEW_HOLDER = (
-    "owner = :owner, task_name = :task_name, task_id = :task_id, hostname = :hostname, pid = :pid"
+    "owner = :owner, task_name = :task_name, task_id = :task_id, hostname = :hostname, pid = :pid,"
+    " phase = COALESCE(:phase, phase)"
 )
 HANDOVER = f"UPDATE task_locks SET expires_at = {PLUS_TTL}, {_NEW_HOLDER} WHERE {_HANDED}"
 HANDOVER_HOLD = (
@@ -304,7 +313,7 @@ class MariaDB(Dialect):
             t.c.token,
             t.c.acquired_at,
             t.c.expires_at,
-            *(t.c[c] for c in HOLDER_COLS),
+            *(t.c[c] for c in INFO_COLS),
             now.label("read_at"),
         )
         by_key = (t.c.key, t.c.slot)
@@ -338,7 +347,7 @@ class MariaDB(Dialect):
 
     def holders(self, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
         # The single acquire's row in ``get``'s shape (the holder's, when refused).
-        return [(r[4], r[5], *r[:4], *r[6:]) for r in rows if len(r) == 11]
+        return [(r[4], r[5], *r[:4], *r[6:]) for r in rows if len(r) == _ACQUIRE_WIDTH]
 
     def reap_sql(self, history: bool) -> str:
         return REAP

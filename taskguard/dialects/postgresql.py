@@ -98,7 +98,7 @@ WITH expired AS MATERIALIZED (
 ), won AS (
     INSERT INTO task_locks AS task_locks ({cols})
     SELECT :key, pick.slot, :owner, nextval('task_locks_token_seq'), {now}, {plus_ttl},
-           :task_name, :task_id, :hostname, :pid
+           :task_name, :task_id, :hostname, :pid, :phase, :n
     FROM pick
     ON CONFLICT (key, slot) DO UPDATE SET {takeover}
     WHERE {free_row}
@@ -119,7 +119,7 @@ _RELEASE_MARKING = (
 WITH marked AS (
     INSERT INTO task_locks AS task_locks ({cols})
     VALUES (:mark_key, 0, :mark_owner, nextval('task_locks_token_seq'), {now}, {plus_mark_ttl},
-            :task_name, :task_id, :hostname, :pid)
+            :task_name, :task_id, :hostname, :pid, NULL, 1)
     ON CONFLICT (key, slot) DO UPDATE SET {takeover}
     WHERE {free_row}
 )

@@ -28,7 +28,7 @@ from sqlalchemy import (
     union_all,
 )
 
-from taskguard.dialects.base import HOLDER_COLS, T
+from taskguard.dialects.base import INFO_COLS, T
 
 __all__ = ["granted_rows", "holder_rows", "reading_refusal"]
 
@@ -39,7 +39,7 @@ _ROW = (
     T.c.token,
     T.c.acquired_at,
     T.c.expires_at,
-    *(T.c[c] for c in HOLDER_COLS),
+    *(T.c[c] for c in INFO_COLS),
 )
 #: Columns per row: the shared read's (``get``: the row, then ``read_at``).
 ROW_WIDTH = len(_ROW) + 1

@@ -59,7 +59,7 @@ _ACQUIRE_SLOTS = """
 WITH RECURSIVE s(slot) AS (SELECT 0 UNION ALL SELECT slot + 1 FROM s WHERE slot + 1 < :n)
 INSERT INTO task_locks ({cols})
 SELECT :key, s.slot, :owner, (SELECT value + 1 FROM {counter}), {now}, {plus_ttl},
-       :task_name, :task_id, :hostname, :pid
+       :task_name, :task_id, :hostname, :pid, :phase, :n
 FROM s
 WHERE NOT EXISTS (
     SELECT 1 FROM task_locks AS t WHERE t.key = :key AND t.slot = s.slot AND NOT ({free_t})

@@ -28,6 +28,7 @@ from sqlalchemy.sql.elements import BindParameter
 
 from taskguard.dialects.base import (
     HOLDER_COLS,
+    INFO_COLS,
     Dialect,
     Flavor,
     LockSQL,
@@ -48,14 +49,19 @@ _ROW_COLS = (
     _t.c.token,
     _t.c.acquired_at,
     _t.c.expires_at,
-    *(_t.c[c] for c in HOLDER_COLS),
+    *(_t.c[c] for c in INFO_COLS),
 )
 
-INSERT_COLS = "key, slot, owner, token, acquired_at, expires_at, task_name, task_id, hostname, pid"
+#: The text statements' grant columns; their values end ``…, :pid, :phase, :n``.
+INSERT_COLS = (
+    "key, slot, owner, token, acquired_at, expires_at, task_name, task_id, hostname, pid, "
+    "phase, slots"
+)
 TAKEOVER_SET = (
     "owner = excluded.owner, token = {token}, acquired_at = excluded.acquired_at, "
     "expires_at = excluded.expires_at, task_name = excluded.task_name, "
     "task_id = excluded.task_id, hostname = excluded.hostname, pid = excluded.pid, "
+    "phase = excluded.phase, slots = excluded.slots, "
     "next_owner = {next_owner}, next_since = {next_since}, next_until = {next_until}"
 )
 #: The reserved waiter's grant uses its reservation up (see _used_up).
@@ -164,6 +170,8 @@ def build_lock_sql(d: Dialect, sa_dialect: SADialect) -> LockSQL:
         _t.c.expires_at > now,
     )
     new_holder: dict[str, Any] = {col: bindparam(col) for col in ("owner", *HOLDER_COLS)}
+    # The adopter's phase (a run adopting its enqueue's lease); NULL keeps the row's.
+    new_holder["phase"] = func.coalesce(bindparam("phase", type_=_t.c.phase.type), _t.c.phase)
     handover, handover_hold = (
         update(_t).where(handed).values(expires_at=e, **new_holder).returning(*lease_cols)
         for e in (fl.plus("ttl"), fl.greatest(fl.plus("ttl"), held_until))
@@ -297,6 +305,8 @@ def _acquire(d: Dialect, fl: Flavor, unless: bool = False, lean: bool = False) -
         "acquired_at": now,
         "expires_at": fl.plus("ttl"),
         **{col: bindparam(col) for col in HOLDER_COLS},
+        "phase": bindparam("phase", type_=_t.c.phase.type),
+        "slots": bindparam("n", type_=_t.c.slots.type),
     }
     refusals = []
     if not lean:
@@ -335,7 +345,7 @@ def _acquire(d: Dialect, fl: Flavor, unless: bool = False, lean: bool = False) -
         "token": d.token_takeover(ins),
         "acquired_at": ins.excluded.acquired_at,
         "expires_at": ins.excluded.expires_at,
-        **{col: getattr(ins.excluded, col) for col in HOLDER_COLS},
+        **{col: getattr(ins.excluded, col) for col in INFO_COLS},
     }
     if lean:
         # No pre-check (setting up its subquery cost a grant more than a third of the

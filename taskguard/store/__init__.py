@@ -40,7 +40,9 @@ RenewOutcome = Literal["renewed", "lost", "gone"]
 #: attempts send the full acquire at once; all are forgotten beyond this many.
 CONTENDED_KEYS = 1024
 #: The parameters of a grant, in :meth:`Store.grant_values`' order.
-_GRANT = ("unless", "key", "slot", "n", "owner", "ttl", "task_name", "task_id", "hostname", "pid")
+_GRANT = (
+    "unless", "key", "slot", "n", "phase", "owner", "ttl", "task_name", "task_id", "hostname", "pid"
+)  # fmt: skip
 #: The marker's parameters of :attr:`LockSQL.release_marking`.
 _MARK = ("mark_key", "mark_owner", "mark_ttl", "task_name", "task_id", "hostname", "pid")
 
@@ -109,11 +111,13 @@ class Store:
         holder: Holder,
         n: int = 1,
         unless: str | None = None,
+        phase: str | None = None,
     ) -> dict[str, Any]:
         """The parameters of one grant attempt (kept across retries of it); refused
-        while the key ``unless`` is held."""
-        ttl = self._secs(seconds)
-        return dict(zip(_GRANT, (unless, key, slot, n, owner, ttl, *holder), strict=True))
+        while the key ``unless`` is held. The row records ``n`` (the key's limit) and
+        ``phase`` (a :class:`~taskguard.options.Phase`, stored as its value)."""
+        ttl, phase = self._secs(seconds), phase and str(phase)
+        return dict(zip(_GRANT, (unless, key, slot, n, phase, owner, ttl, *holder), strict=True))
 
     @bounded
     def grant(
@@ -370,14 +374,16 @@ class Store:
         seconds: float,
         hold: float,
         new: tuple[str, Holder] | None = None,
+        phase: str | None = None,
     ) -> Lease | None:
         """Renew a live lease known only by its owner id; ``None`` if not held.
-        ``new``: the (owner id, holder) it passes to, in the same statement."""
+        ``new``: the (owner id, holder) it passes to, in the same statement, and with
+        it the row's ``phase`` (``None``: kept)."""
         values: dict[str, Any] = {"key": key, "slot": slot, "owner": owner}
         if new is not None:
             owner, h = new
-            values.update(from_owner=values["owner"], owner=owner, task_name=h.task_name)
-            values.update(task_id=h.task_id, hostname=h.hostname, pid=h.pid)
+            values.update(zip(h._fields, h, strict=True), from_owner=values["owner"])
+            values.update(owner=owner, phase=phase and str(phase))
         sent = time.monotonic()
         rows = self._extend(values, seconds, hold, None, handover=new is not None)
         if not rows:

@@ -1,5 +1,6 @@
 """Lock rows, as the shared reads return them (``get``'s shape: the row, then the
-database's ``read_at``), turned into :class:`~taskguard.lease.LockInfo`."""
+database's ``read_at``), turned into :class:`~taskguard.lease.LockInfo` (the stored
+phase as a :class:`~taskguard.options.Phase`)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,12 @@ from datetime import datetime
 from typing import Any
 
 from taskguard.lease import Holder, LockInfo
+from taskguard.options import Phase
 
 __all__ = ["decode", "live"]
+
+#: A stored phase -> its value (one this version does not know reads as not recorded).
+_PHASES: dict[str | None, Phase] = {str(p): p for p in Phase}
 
 
 def decode(rows: list[tuple[Any, ...]], conv: Callable[[Any], datetime]) -> list[LockInfo]:
@@ -23,7 +28,9 @@ def decode(rows: list[tuple[Any, ...]], conv: Callable[[Any], datetime]) -> list
             acquired_at=conv(r[4]),
             expires_at=conv(r[5]),
             holder=Holder(task_name=r[6], task_id=r[7], hostname=r[8], pid=r[9]),
-            read_at=conv(r[10]),
+            read_at=conv(r[12]),
+            phase=_PHASES.get(r[10]),
+            slots=None if r[11] is None else int(r[11]),
         )
         for r in rows
     ]

@@ -19,7 +19,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from taskguard.config import build_guard, setting
-from taskguard.display import format_duration, printable
+from taskguard.display import format_duration, phase_text, printable, slots_text
 from taskguard.exceptions import ConfigurationError, InvalidKey, TaskGuardError
 from taskguard.guard import TaskGuard
 from taskguard.validation import normalize_key
@@ -32,6 +32,7 @@ log = logging.getLogger("taskguard")
 
 _TEMPLATES = Path(__file__).with_name("templates")
 _STATES = ("held", "expired", "all")
+_PHASES = ", ".join(pages.PHASES)
 # A form is a reason, a key (at most 255 characters, up to 4 bytes each, escaped)
 # and a token: anything longer is not ours.
 _FORM_MAX = 64 * 1024
@@ -113,6 +114,9 @@ class _Site:
         self.env.filters["duration"] = format_duration
         self.env.filters["when"] = lambda d: d.isoformat(sep=" ", timespec="seconds")
         self.env.globals["role"] = pages.role
+        self.env.globals["phase_text"] = phase_text
+        self.env.globals["slots_text"] = slots_text
+        self.env.globals["phases"] = list(pages.PHASES)
         self.env.globals["chart"] = pages.chart
 
     # -- rendering -------------------------------------------------------------------
@@ -167,25 +171,31 @@ class _Site:
         state = q.get("state", "held")
         if state not in _STATES:
             raise HTTPException(400, f"state must be one of {', '.join(_STATES)}")
+        phase = q.get("phase", "")
+        if phase and phase not in pages.PHASES:
+            raise HTTPException(400, f"phase must be one of {_PHASES} (or empty: any)")
         return {
             "state": state,
             "prefix": q.get("prefix", ""),
             "task": q.get("task", ""),
+            "phase": phase,
             "companions": q.get("companions") == "1",
         }
 
     def locks(self, request: Request) -> Response:
         filters = self._filters(request)
-        rows = pages.locks(self.guard, **filters)
-        return self.page(request, "locks.html", rows=rows, f=filters, full=len(rows) >= pages.ROWS)
+        found = pages.locks(self.guard, **filters)
+        rows, full = found.rows, len(found.rows) >= pages.ROWS
+        return self.page(
+            request, "locks.html", rows=rows, in_use=found.in_use, f=filters, full=full
+        )
 
     def key(self, request: Request) -> Response:
         view = pages.key_view(self.guard, _path_key(request, 2))
         return self.page(request, "key.html", v=view, done=request.query_params.get("done"))
 
     def api_locks(self, request: Request) -> Response:
-        rows = pages.locks(self.guard, **self._filters(request))
-        return JSONResponse([r.to_dict() for r in rows])
+        return JSONResponse(pages.locks(self.guard, **self._filters(request)).to_json())
 
     def api_key(self, request: Request) -> Response:
         view = pages.key_view(self.guard, _path_key(request, 3))

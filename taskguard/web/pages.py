@@ -10,13 +10,30 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from taskguard.companions import KINDS, companion_rows, describe_companions, kind
-from taskguard.display import format_duration, printable, printable_event, printable_info
+from taskguard.display import (
+    format_duration,
+    printable,
+    printable_event,
+    printable_info,
+    slots_in_use,
+)
 from taskguard.guard import TaskGuard
 from taskguard.history import EVENTS, LockEvent, explain
 from taskguard.lease import LockInfo
+from taskguard.options import Phase
 from taskguard.startup_check import CheckResult, check_database
 
-__all__ = ["Overview", "health", "key_view", "locks", "overview", "reaper_seen", "role"]
+__all__ = [
+    "PHASES",
+    "Listing",
+    "Overview",
+    "health",
+    "key_view",
+    "locks",
+    "overview",
+    "reaper_seen",
+    "role",
+]
 
 #: Rows a page lists at most (``taskguard locks --limit``).
 ROWS = 1_000
@@ -24,6 +41,9 @@ ROWS = 1_000
 CHART_EVENTS = 20_000
 CHART_KINDS = ("conflict", "coalesced")
 CHART_HOURS = 24
+#: The Locks page's phase filter: the phases a row records, and ``none`` (not recorded:
+#: a plain acquire, or a row older than the phase column).
+PHASES: dict[str, Phase | None] = {str(p): p for p in (Phase.QUEUE, Phase.RUN)} | {"none": None}
 
 
 def role(info: LockInfo) -> str:
@@ -34,24 +54,41 @@ def role(info: LockInfo) -> str:
     return "held" if named is None else KINDS[named]
 
 
+@dataclass
+class Listing:
+    """The Locks page's rows, and the live rows of each of their keys (``2 of 3``)."""
+
+    rows: list[LockInfo]
+    in_use: Counter[str]
+
+    def to_json(self) -> list[dict[str, object]]:
+        return [r.to_dict(self.in_use[r.key]) for r in self.rows]
+
+
 def locks(
     guard: TaskGuard,
     *,
     state: str = "held",
     prefix: str | None = None,
     task: str | None = None,
+    phase: str = "",
     companions: bool = False,
-) -> list[LockInfo]:
+) -> Listing:
     """The Locks page's rows: ``state`` held, expired or all; ``task``: the task
-    name contains it; companion rows only with ``companions``."""
+    name contains it; ``phase``: a key of :data:`PHASES` (empty: any); companion rows
+    only with ``companions``. Slots in use are counted before the filters."""
     rows = guard.held(
         prefix or None, include_expired=state != "held", companions=companions, limit=ROWS
     )
+    in_use = slots_in_use(rows)
     if state == "expired":
         rows = [r for r in rows if not r.held]
     if task:
         rows = [r for r in rows if task in (r.holder.task_name or "")]
-    return rows
+    if phase:
+        wanted = PHASES[phase]
+        rows = [r for r in rows if r.phase is wanted]
+    return Listing(rows, in_use)
 
 
 @dataclass
@@ -59,8 +96,9 @@ class Overview:
     now: datetime
     held: int
     expired: int
-    #: Keys with a live lease, and those of them at their limit: every slot row of
-    #: the key live (the table keeps no limit: a slot never taken has no row).
+    #: Keys with a live lease, and those of them at their limit: as many live rows as
+    #: the limit their grants recorded (rows older than that record: every slot row of
+    #: the key live, as a slot never taken has no row).
     keys: int
     at_limit: int
     #: Keys someone waits for (``acquire(wait=)`` inside its wait).
@@ -88,8 +126,9 @@ class Series:
 def overview(guard: TaskGuard) -> Overview:
     rows = guard.held(include_expired=True, limit=ROWS)
     live = [r for r in rows if r.held]
-    holders = Counter(r.key for r in live)
+    holders = slots_in_use(live)
     free = {r.key for r in rows if not r.held}
+    limits = {r.key: r.slots for r in live if r.slots is not None}
     now = rows[0].read_at if rows else guard.db_now()
     since = now - timedelta(hours=CHART_HOURS)
     events = guard.recent_events(since=since, kinds=CHART_KINDS, limit=CHART_EVENTS)
@@ -100,7 +139,9 @@ def overview(guard: TaskGuard) -> Overview:
         held=len(live),
         expired=len(rows) - len(live),
         keys=len(holders),
-        at_limit=len(holders.keys() - free),
+        at_limit=sum(
+            n >= limits[key] if key in limits else key not in free for key, n in holders.items()
+        ),
         waited_for=guard.waited_for(),
         oldest=max(live, key=lambda r: r.held_for, default=None),
         conflicts=[sum(h) for h in zip(*(s.hours for s in series), strict=True)]
@@ -158,6 +199,8 @@ class KeyView:
     companions: list[LockInfo]
     story: str
     payload: dict[str, Any]
+    #: Live rows per key among ``rows`` and ``companions``.
+    in_use: Counter[str]
 
     @property
     def live(self) -> list[LockInfo]:
@@ -172,13 +215,14 @@ def key_view(guard: TaskGuard, key: str, limit: int = 50) -> KeyView:
     lines = describe_companions(key, lambda _prefix: extra)
     story = explain(key, [printable_event(e) for e in events], [printable_info(r) for r in rows])
     story = "\n".join([story, *(printable(line, backslashes=False) for line in lines)])
+    in_use = slots_in_use(rows + extra)
     payload = {
         "key": key,
         "events": [e.to_dict() for e in events],
-        "rows": [r.to_dict() for r in rows],
+        "rows": [r.to_dict(in_use[r.key]) for r in rows],
         "companions": lines,
     }
-    return KeyView(key, rows, extra, story, payload)
+    return KeyView(key, rows, extra, story, payload, in_use)
 
 
 def health(guard: TaskGuard) -> CheckResult:

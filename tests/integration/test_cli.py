@@ -25,6 +25,7 @@ from cli_runner import (  # noqa: F401 - fixtures
 from sqlalchemy.engine import make_url
 
 from taskguard import TaskGuard, schema
+from taskguard.options import Phase
 
 pytestmark = pytest.mark.postgres
 
@@ -47,6 +48,7 @@ def test_locks_lists_live_leases_as_table_and_json(guard: TaskGuard, env: dict[s
     assert first["owner"] == a.owner and first["token"] == a.token
     assert first["task_name"] == "billing.charge" and first["task_id"] == "t-1"
     assert first["pid"] == 4242 and first["held"] is True
+    assert (first["phase"], first["slots"], first["slots_in_use"]) == (None, 1, 1)
     assert 0 < first["expires_in_seconds"] <= 300
 
     rows = json.loads(tg("locks", "--prefix", "invoice:", "--json", env=env))
@@ -59,9 +61,10 @@ def test_locks_lists_live_leases_as_table_and_json(guard: TaskGuard, env: dict[s
     }
 
     table = tg("locks", env=env).splitlines()
-    assert table[0].split() == ["KEY", "SLOT", "TOKEN", "TASK", "HOST", "PID", "HELD", "FOR",
-                                "EXPIRES", "IN"]  # fmt: skip
-    assert table[1].split()[:4] == ["invoice:1", "0", str(a.token), "billing.charge"]
+    assert table[0].split() == ["KEY", "PHASE", "SLOT", "SLOTS", "TOKEN", "TASK", "HOST", "PID",
+                                "HELD", "FOR", "EXPIRES", "IN"]  # fmt: skip
+    # A plain acquire: no phase; one slot of a limit of 1 in use.
+    assert table[1].split()[:7] == ["invoice:1", "-", "0", "1", "of", "1", str(a.token)]
     assert "worker-9" in table[2]
     assert len(table) == 4
     table = tg("locks", "--all", "--prefix", "invoice:", env=env).splitlines()
@@ -124,6 +127,26 @@ def test_show_prints_who_holds_a_key(guard: TaskGuard, env: dict[str, str]) -> N
     out = tg("show", "invoice:42", env=env)
     # Without history a release and an expiry leave the same row.
     assert "state:      free, ended" in out and "released or expired; row not yet reaped" in out
+
+
+def test_locks_and_show_tell_the_phase_and_the_slots_in_use(
+    guard: TaskGuard, env: dict[str, str]
+) -> None:
+    """Issue 44: the phase a guarded task's lease is in, and its key's slots in use."""
+    assert guard.try_acquire("job:q", 300, task_name="app.job", phase=Phase.QUEUE).lease
+    for _ in range(2):
+        assert guard.try_acquire("batch:y", 300, limit=3, phase=Phase.RUN).lease
+    table = tg("locks", env=env).splitlines()
+    # KEY PHASE SLOT SLOTS: the slot number left out (a limit's slot is picked at random)
+    cells = sorted([*c[:2], *c[3:6]] for c in (line.split() for line in table[1:]))
+    assert cells == [["batch:y", "run", "2", "of", "3"]] * 2 + [["job:q", "queue", "1", "of", "1"]]
+    rows = json.loads(tg("locks", "--json", env=env))
+    assert {(r["key"], r["phase"], r["slots"], r["slots_in_use"]) for r in rows} == {
+        ("batch:y", "run", 3, 2),
+        ("job:q", "queue", 1, 1),
+    }
+    out = tg("show", "batch:y", env=env)
+    assert out.count("slots:      2 of 3") == 2 and out.count("phase:      run") == 2, out
 
 
 def test_show_says_how_a_lease_ended_as_explain_does(url: str, env: dict[str, str]) -> None:
@@ -302,7 +325,7 @@ def test_human_output_escapes_control_characters(url: str, env: dict[str, str]) 
 
     out = tg("show", FORGED_KEY, env=env)
     _inert(out)
-    assert len(out.splitlines()) == 13, out  # one line per field
+    assert len(out.splitlines()) == 15, out  # one line per field
     assert "key:        evil\\nforged:row" in out and "task id:    id\\n2" in out
 
     out = tg("explain", FORGED_KEY, env=env)

@@ -149,11 +149,14 @@ def test_limit_and_slot_together_is_an_error(guard: TaskGuard) -> None:
         guard.acquire("k", 30, limit=2, slot=1)
 
 
-def test_a_schema_older_than_the_code_is_a_clear_error(db_url: str) -> None:
-    schema.downgrade(db_url, "tg0001")
+@pytest.mark.parametrize("revision", ["tg0001", "tg0002"])
+def test_a_schema_older_than_the_code_is_a_clear_error(db_url: str, revision: str) -> None:
+    schema.downgrade(db_url, revision)
     guard = TaskGuard(db_url)
     try:
         with pytest.raises(SchemaMissing, match=r"older than this version.*taskguard db upgrade"):
             guard.acquire("k", 30)
+        with pytest.raises(SchemaMissing, match=r"older than this version"):
+            guard.held()
     finally:
         guard.dispose()

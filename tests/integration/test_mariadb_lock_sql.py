@@ -78,6 +78,8 @@ def _acquire(cur: Any, key: str, ttl: float, owner: str) -> tuple[Any, ...] | No
             "task_id": None,
             "hostname": "race",
             "pid": os.getpid(),
+            "phase": None,
+            "n": 1,
         },
     )
     assert len(rows) == 1
@@ -145,7 +147,7 @@ def test_limit_three_sixteen_processes_at_most_three(maria_db: str) -> None:
         barrier.wait(timeout=60)
         owner = uuid.uuid4().hex
         values = {"key": "lim", "n": 3, "owner": owner, "ttl": 30_000_000, "task_name": None,
-                  "task_id": None, "hostname": "race", "pid": os.getpid()}  # fmt: skip
+                  "task_id": None, "hostname": "race", "pid": os.getpid(), "phase": "run"}  # fmt: skip
         got = None
         for _ in range(2):  # a lost race for a new slot: one more try, as the guard does
             rows = _run(cur, ACQUIRE_SLOTS, values)
@@ -397,10 +399,12 @@ def test_a_refused_acquire_returns_the_holders_row(maria_db: str) -> None:
         ACQUIRE,
         {
             "key": "held", "slot": 0, "owner": "b" * 32, "ttl": 30_000_000,
-            "task_name": "dup", "task_id": "t2", "hostname": "h2", "pid": 2,
+            "task_name": "dup", "task_id": "t2", "hostname": "h2", "pid": 2, "phase": "queue",
+            "n": 1,
         },
     )  # fmt: skip
     (row,) = rows
-    owner, _, _, expires_at, key, slot, task_name, task_id, hostname, _, read_at = row
+    owner, _, _, expires_at, key, slot, task_name, task_id, hostname, _, phase, slots, read_at = row
     assert (owner, key, slot, task_name, task_id) == ("a" * 32, "held", 0, None, None)
+    assert (phase, slots) == (None, 1)  # the holder's, not the refused caller's
     assert hostname == "race" and expires_at > read_at

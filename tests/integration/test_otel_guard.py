@@ -17,10 +17,18 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
+from sqlalchemy import create_engine
+from sqlalchemy.orm import Session
 
-from taskguard import TaskGuard, otel, waiting
+from taskguard import AlreadyLocked, TaskGuard, otel, waiting
 from taskguard import guard as guard_module
 from taskguard.held_lease import Hold
+from taskguard.options import CELERY
+from taskguard.runs import GuardedRun, GuardSpec, enqueue_locked
+
+
+def _job(item: str) -> None:
+    """A guarded job's signature."""
 
 
 @pytest.fixture
@@ -207,6 +215,69 @@ def test_asyncio_calls_and_limits(traced: Any, sguard: TaskGuard) -> None:
     assert _parent(acquire) == _parent(release) == job.context.span_id
     assert acquire.attributes is not None and acquire.attributes["taskguard.lock.limit"] == 2
     assert release.name == "taskguard.release"
+
+
+def test_a_release_put_off_to_the_fenced_commit_is_one_span(
+    traced: Any, sguard: TaskGuard, sqlite_url: str
+) -> None:
+    """A release called inside the transaction that fenced the lease is done at its
+    commit (taskguard.fencing): one span, then, with its grant's attributes; not one
+    for the call that put it off and another for the release."""
+    exporter, provider = traced
+    spec = GuardSpec.of(_job, CELERY, {"key": "fenced:{item}", "ttl": 30}, name="t.fenced")
+    engine = create_engine(sqlite_url)
+    run = GuardedRun(spec, None, (), {"item": "1"}, task_id="f-1", guard=sguard)
+
+    def body() -> None:
+        assert run.lease is not None
+        with Session(engine) as session, session.begin():
+            run.lease.fence(session)
+            run.exit()  # the run's release, put off to the commit
+            assert not _named(exporter, "taskguard.release")
+            assert sguard.get("fenced:1").held  # type: ignore[union-attr]
+
+    with provider.get_tracer("t").start_as_current_span("run/t.fenced"):
+        run.run(body)
+    engine.dispose()
+    assert not sguard.get("fenced:1").held  # type: ignore[union-attr]
+    (released,) = _named(exporter, "taskguard.release")
+    (acquired,) = _named(exporter, "taskguard.acquire")
+    assert dict(released.attributes or {}) == {
+        "taskguard.lock.phase": "run",
+        "taskguard.lock.strategy": "skip",
+        "taskguard.lock.outcome": "released",
+        "taskguard.lock.token": (acquired.attributes or {})["taskguard.lock.token"],
+    }
+
+
+def test_an_enqueues_acquire_says_phase_queue(traced: Any, sguard: TaskGuard) -> None:
+    """The acquire an enqueue sends (lock="queue_and_run") says phase queue, also when
+    a guarded run enqueues it (the run's own phase and strategy are not the enqueue's);
+    the run adopting that lease says run, with its strategy."""
+    exporter, provider = traced
+    options = {"key": "q:{item}", "ttl": 30, "lock": "queue_and_run", "on_conflict": "raise"}
+    spec = GuardSpec.of(_job, CELERY, options, name="t.queued")
+    outer = GuardSpec.of(_job, CELERY, {"key": "outer:{item}", "ttl": 30}, name="t.outer")
+
+    def enqueue(job_id: str) -> Any:
+        return enqueue_locked(spec, None, (), {"item": "1"}, lambda: job_id, job_id=str,
+                              task_id=job_id, guard=sguard)  # fmt: skip
+
+    with provider.get_tracer("t").start_as_current_span("web.request"):
+        assert enqueue("j-1") == "j-1"
+        with pytest.raises(AlreadyLocked):
+            GuardedRun(outer, None, (), {"item": "1"}, guard=sguard).run(lambda: enqueue("j-2"))
+    run = GuardedRun(spec, None, (), {"item": "1"}, task_id="j-1", guard=sguard)
+    assert run.run(lambda: "ran") == "ran"
+    acquires = [dict(s.attributes or {}) for s in _named(exporter, "taskguard.acquire")]
+    granted, outer_run, refused = acquires
+    assert granted["taskguard.lock.phase"] == refused["taskguard.lock.phase"] == "queue"
+    assert "taskguard.lock.strategy" not in refused  # not the enqueuing run's "skip"
+    assert outer_run["taskguard.lock.phase"] == "run"
+    (adopted,) = (dict(s.attributes or {}) for s in _named(exporter, "taskguard.adopt"))
+    assert adopted["taskguard.lock.phase"] == "run"
+    assert adopted["taskguard.lock.strategy"] == "raise"
+    assert adopted["taskguard.lock.outcome"] == "adopted"
 
 
 def test_uninstrument_puts_everything_back() -> None:

@@ -14,6 +14,7 @@ from urllib.parse import quote
 
 import pytest
 from click.testing import CliRunner
+from sqlalchemy import create_engine, text
 from starlette.applications import Starlette
 from starlette.routing import Mount
 from starlette.testclient import TestClient
@@ -21,6 +22,7 @@ from starlette.testclient import TestClient
 from taskguard import TaskGuard, schema
 from taskguard.cli import cli
 from taskguard.companions import companion_key
+from taskguard.options import Phase
 from taskguard.web import basic_auth, create_app
 
 HOSTILE = [
@@ -112,6 +114,58 @@ def test_pages_render_and_filter(leases: TaskGuard) -> None:
     assert story["rows"][0]["task_id"] == "t-1"
     assert client.get("/api/keys/never").status_code == 404
     assert "now: free (no row)" in client.get("/keys/never").text
+
+
+def _phases_and_slots(html: str) -> list[tuple[str, str, str]]:
+    """(key, phase, slots) of each row of a Locks page, sorted."""
+    found = re.findall(
+        r'<a href="[^"]*">([^<]*)</a></td>.*?<td class="phase">([^<]*)</td>\s*'
+        r'<td class="slots">([^<]*)</td>',
+        html,
+        re.S,
+    )
+    return sorted(found)
+
+
+def test_phases_and_slots_shown_filtered_and_counted(guard: TaskGuard, db_url: str) -> None:
+    """Issue 44: a lease's phase and its key's slots in use of its recorded limit; rows
+    from before those were recorded show "-"; "keys at their limit" uses the limit."""
+    assert guard.try_acquire("job:q", 300, task_name="app.job", phase=Phase.QUEUE).lease
+    assert guard.try_acquire("job:r", 300, task_name="app.job", phase=Phase.RUN).lease
+    for _ in range(2):
+        assert guard.acquire("batch:y", 300, limit=3, task_name="app.batch")
+    old = guard.acquire("old:z", 300)
+    assert old is not None
+    engine = create_engine(db_url)
+    with engine.begin() as conn:  # a row written before tg0003
+        forget = "UPDATE task_locks SET phase = NULL, slots = NULL WHERE owner = :owner"
+        conn.execute(text(forget), {"owner": old.owner})
+    engine.dispose()
+    client = _client(guard, operator=None)
+
+    assert _phases_and_slots(client.get("/locks").text) == [
+        ("batch:y", "-", "2 of 3"),
+        ("batch:y", "-", "2 of 3"),
+        ("job:q", "queue", "1 of 1"),
+        ("job:r", "run", "1 of 1"),
+        ("old:z", "-", "-"),
+    ]
+    for phase, keys in (("queue", ["job:q"]), ("run", ["job:r"]), ("none", ["batch:y", "old:z"])):
+        page = client.get("/locks", params={"phase": phase}).text
+        assert sorted({k for k, _, _ in _phases_and_slots(page)}) == keys, phase
+        assert f"<option selected>{phase}</option>" in page
+    refused = client.get("/locks", params={"phase": "queue_and_run"})
+    assert refused.status_code == 400 and "phase must be one of queue, run, none" in refused.text
+    rows = client.get("/api/locks", params={"phase": "run"}).json()
+    assert [(r["key"], r["phase"], r["slots"], r["slots_in_use"]) for r in rows] == [
+        ("job:r", "run", 1, 1)
+    ]
+    key = client.get("/keys/batch%3Ay").text
+    assert key.count('<td class="slots">2 of 3</td>') == 2
+    assert [r["slots_in_use"] for r in client.get("/api/keys/batch:y").json()["rows"]] == [2, 2]
+    overview = client.get("/").text
+    # job:q and job:r (1 of 1), old:z (no limit recorded: no free row); not batch:y (2 of 3)
+    assert "<b>3</b>keys at their limit (of 4 held)" in overview
 
 
 def test_force_release_needs_a_reason_and_records_the_operator(leases: TaskGuard) -> None:

@@ -1,6 +1,8 @@
 """The operators' page in a real browser: Debian's Chromium, driven by Playwright,
 against `taskguard web` served by uvicorn in its own process, on each database, with
-the locks held by separate worker processes (``guard.lock()`` bodies that sleep).
+the locks held by separate worker processes (``guard.lock()`` bodies that sleep, and
+``lock="queue_and_run"`` jobs through the core's run protocol: one waiting in the
+queue, one running).
 
 One browser for the module. ``TASKGUARD_WEB_SCREENSHOTS=docs/images`` writes the
 pages' screenshots that docs/web.md shows (from the PostgreSQL run)."""
@@ -26,6 +28,8 @@ import pytest
 from playwright.sync_api import Browser, Dialog, Page, sync_playwright
 
 from taskguard import TaskGuard
+from taskguard.options import CELERY
+from taskguard.runs import GuardedRun, GuardSpec, enqueue_locked
 
 USER, PASSWORD = "ops", "pw-of-ops"
 FLAGS = [
@@ -62,11 +66,37 @@ def _work(url: str, spec: dict[str, Any], ready: Connection, test_end: Connectio
     guard.dispose()
 
 
+def job(item: str) -> None:
+    """A guarded job's signature (its bodies are the workers')."""
+
+
+def _jobs(url: str, spec: dict[str, Any], ready: Connection, test_end: Connection) -> None:
+    """A worker process with ``lock="queue_and_run"`` jobs: ``job:queued`` enqueued (its
+    message published where nobody consumes it), ``job:running`` enqueued, then run:
+    its run adopts the lease and sleeps in its body until the test ends."""
+    test_end.close()
+    guard = TaskGuard(url, history=True)
+    options = {"key": "job:{item}", "ttl": 600, "lock": "queue_and_run"}
+    guarded = GuardSpec.of(job, CELERY, options, name="app.job")
+    for item in ("queued", "running"):
+        enqueue_locked(guarded, None, (), {"item": item}, lambda i=item: f"j-{i}", job_id=str,
+                       task_id=f"j-{item}", guard=guard)  # fmt: skip
+
+    def body() -> None:
+        ready.send("holding")
+        with suppress(EOFError):
+            ready.recv()
+
+    GuardedRun(guarded, None, (), {"item": "running"}, task_id="j-running", guard=guard).run(body)
+    guard.dispose()
+
+
 WORKERS = [
     {"locks": [["feed:1", 600, 1, "app.import_feed"], ["report:daily", 600, 2, "app.report"]]},
     {"locks": [["feed:2", 600, 1, "app.import_feed"], ["report:daily", 600, 2, "app.report"]]},
     {"locks": [[k, 600, 1, "<i>app.hostile</i>\u202e"] for k in HOSTILE.values()]},
     {"locks": [["cleanup:old", 1, 1, "app.cleanup"]], "die": True},
+    {"jobs": True},
 ]
 
 
@@ -122,7 +152,8 @@ def _workers(stack: ExitStack, url: str) -> None:
     ends = []
     for spec in WORKERS:
         ours, theirs = fork.Pipe()
-        worker = fork.Process(target=_work, args=(url, spec, theirs, ours), daemon=True)
+        target = _jobs if spec.get("jobs") else _work
+        worker = fork.Process(target=target, args=(url, spec, theirs, ours), daemon=True)
         worker.start()
         theirs.close()
         stack.callback(worker.join, 30)
@@ -141,6 +172,14 @@ def _shot(page: Page, name: str, dialect: str) -> None:
     folder = os.environ.get("TASKGUARD_WEB_SCREENSHOTS")
     if folder and dialect == "postgresql":
         page.screenshot(path=str(Path(folder) / f"web-{name}.png"), full_page=True)
+
+
+def _phases_and_slots(page: Page) -> list[tuple[str, str, str]]:
+    """(key, phase, slots) of each row the Locks page lists, sorted."""
+    keys = _keys(page)
+    phases = page.locator("td.phase").all_inner_texts()
+    slots = page.locator("td.slots").all_inner_texts()
+    return sorted(zip(keys, phases, slots, strict=True))
 
 
 def _release(page: Page, reason: str) -> None:
@@ -190,8 +229,9 @@ def test_the_page_in_a_browser(
                 for c in page.locator(".card").all()
             )
         )
-        assert cards["locks held"] == "8", cards  # feed:1, feed:2, 2 report slots, 4 hostile
-        assert cards["keys at their limit"] == "7", cards
+        # feed:1, feed:2, 2 report slots, 4 hostile, the queued job, the running one
+        assert cards["locks held"] == "10", cards
+        assert cards["keys at their limit"] == "9", cards
         assert cards["expired rows not yet reaped"] == "1", cards
         assert cards["keys with waiters"] == "0", cards
         assert "oldest hold" in cards and "reaper's last run" in cards
@@ -202,8 +242,22 @@ def test_the_page_in_a_browser(
         # Locks: the filters, through the form.
         page.get_by_role("link", name="Locks").first.click()
         shown = _keys(page)
-        assert {"feed:1", "feed:2", "report:daily"} <= set(shown) and len(shown) == 8
+        assert {"feed:1", "feed:2", "report:daily"} <= set(shown) and len(shown) == 10
         assert "cleanup:old" not in shown
+        # The phase and the slots in use: the queue_and_run job waiting in the queue, the
+        # one running (its run adopted its lease), the limit=2 key with two holders.
+        found = _phases_and_slots(page)
+        assert [r for r in found if r[0].startswith(("job:", "report:"))] == [
+            ("job:queued", "queue", "1 of 1"),
+            ("job:running", "run", "1 of 1"),
+            ("report:daily", "-", "2 of 2"),
+            ("report:daily", "-", "2 of 2"),
+        ], found
+        for phase, keys in (("queue", ["job:queued"]), ("run", ["job:running"])):
+            page.get_by_label("Phase").select_option(phase)
+            page.get_by_role("button", name="Filter").click()
+            assert _keys(page) == keys, phase
+        page.get_by_label("Phase").select_option("")
         page.get_by_label("State").select_option("expired")
         page.get_by_role("button", name="Filter").click()
         assert _keys(page) == ["cleanup:old"]

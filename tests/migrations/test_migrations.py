@@ -6,14 +6,16 @@ import subprocess
 import sys
 import venv
 import zipfile
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import create_engine, inspect, text
+from sqlalchemy import column, create_engine, insert, inspect, select, table, text
 
 from taskguard import TaskGuard, metadata, schema
+from taskguard.options import Phase
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -79,6 +81,39 @@ def test_upgrade_downgrade_upgrade_leaves_the_app_alone(app_db: str) -> None:
     schema.upgrade(app_db)
     assert schema.current(app_db) == [schema.head()]
     assert _app_state(app_db) == before  # app's alembic_version row and data untouched
+
+
+def test_upgrading_keeps_live_leases_and_reads_them_as_not_recorded(app_db: str) -> None:
+    """tg0003 (phase, slots) on a database whose rows an older version wrote: the rows
+    stay live and read as "not recorded"; new grants record both; downgrading keeps
+    the rows."""
+    schema.upgrade(app_db, "tg0002")
+    engine = create_engine(app_db)
+    cols = ("key", "slot", "owner", "token", "acquired_at", "expires_at", "task_name")
+    locks = table("task_locks", *(column(c) for c in cols))  # quoted as each database needs
+    with engine.begin() as conn:  # a live lease as the version before wrote it
+        old = ("old", 0, "o1", 1, datetime(2026, 1, 1), datetime(2999, 1, 1), "t.old")
+        conn.execute(insert(locks).values(dict(zip(cols, old, strict=True))))
+    schema.upgrade(app_db)
+    guard = TaskGuard(app_db)
+    try:
+        (old,) = guard.get_all("old")
+        assert (old.held, old.phase, old.slots, old.task_name) == (True, None, None, "t.old")
+        assert guard.try_acquire("new", 30, limit=2, phase=Phase.RUN).lease is not None
+        assert [(i.phase, i.slots) for i in guard.get_all("new")] == [(Phase.RUN, 2)]
+    finally:
+        guard.dispose()
+    view = "SELECT phase, slots FROM task_locks_held"
+    with engine.connect() as conn:  # the view shows them too
+        assert {tuple(r) for r in conn.execute(text(view))} == {("run", 2), (None, None)}
+    schema.downgrade(app_db, "tg0002")
+    with engine.connect() as conn:
+        keys = sorted(conn.execute(select(locks.c.key)).scalars())
+        columns = {c["name"] for c in inspect(conn).get_columns("task_locks")}
+        held = sorted(conn.execute(text("SELECT owner FROM task_locks_held")).scalars())
+    engine.dispose()
+    assert keys == ["new", "old"] and not {"phase", "slots"} & columns
+    assert len(held) == 2  # the view as tg0002 had it
 
 
 def test_models_and_migrations_never_drift(db_url: str) -> None:

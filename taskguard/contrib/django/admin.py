@@ -24,7 +24,7 @@ from django.conf import settings
 from django.contrib import admin, messages
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
 from django.contrib.admin.views.main import ChangeList
-from django.db.models import Q
+from django.db.models import Count, OuterRef, Q, Subquery
 from django.template.response import TemplateResponse
 from django.utils import timezone
 from django.utils.html import format_html
@@ -34,7 +34,7 @@ from taskguard.companions import ENDING, FINISHED_PREFIX
 from taskguard.contrib.django import conf
 from taskguard.contrib.django.models import FORCE_RELEASE_PERMISSION, HeldLock, LockEvent
 from taskguard.contrib.django.release import force_release_as
-from taskguard.display import printable
+from taskguard.display import phase_text, printable, slots_text
 from taskguard.history import EVENTS, secs
 from taskguard.lease import Holder
 
@@ -182,6 +182,8 @@ class HeldLockAdmin(_ReadOnly):
         _moment("expires_at", "expires"),
         _column("key", _wrapping),
         "holder",
+        "phase_shown",
+        "slots_shown",
         "slot",
         "token",
     )
@@ -191,7 +193,19 @@ class HeldLockAdmin(_ReadOnly):
     confirmation_template = "admin/taskguard/heldlock/force_release_confirmation.html"
 
     def get_queryset(self, request: Any) -> Any:
-        return _rows(super().get_queryset(request), request.GET.get(_Rows.parameter_name))
+        rows = _rows(super().get_queryset(request), request.GET.get(_Rows.parameter_name))
+        # Each row's key's live rows (the view's), for "2 of 3".
+        of_key = HeldLock.objects.using(conf.alias()).filter(key=OuterRef("key")).order_by()
+        counted = of_key.values("key").annotate(n=Count("slot")).values("n")[:1]
+        return rows.annotate(in_use=Subquery(counted))
+
+    @admin.display(description="phase", ordering="phase")
+    def phase_shown(self, obj: Any) -> str:
+        return phase_text(obj)
+
+    @admin.display(description="slots")
+    def slots_shown(self, obj: Any) -> str:
+        return slots_text(obj, {obj.key: obj.in_use or 0})
 
     @admin.display(description="held by", ordering="task_name")
     def holder(self, obj: Any) -> str:

@@ -30,6 +30,9 @@ class HeldLock(models.Model):
     pid = models.IntegerField(null=True, blank=True)
     acquired_at = models.DateTimeField()
     expires_at = models.DateTimeField()
+    #: The lock phase (``queue``, ``run``) and the key's limit its grant recorded.
+    phase = models.CharField(max_length=8, null=True, blank=True)
+    slots = models.SmallIntegerField(null=True, blank=True)
 
     class Meta:
         managed = False

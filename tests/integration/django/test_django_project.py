@@ -134,7 +134,7 @@ def test_scenarios_under_djangos_test_runner(empty_site: DjangoSite) -> None:
     locks following the test database (shop/scenarios.py)."""
     out = empty_site.manage("test", "shop.scenarios", "--noinput", "-v", "2", timeout=400)
     report = out.stderr
-    assert "Ran 18 tests" in report and "\nOK" in report, report[-3000:]
+    assert "Ran 19 tests" in report and "\nOK" in report, report[-3000:]
     if empty_site.db == "postgresql":
         with psycopg.connect(
             make_url(PG_URL).set(drivername="postgresql").render_as_string(False)
@@ -175,7 +175,7 @@ def test_a_project_on_mariadb_with_djangos_mysql_engine(maria_template: str) -> 
         finally:
             guard.dispose()
         out = site.manage("test", "shop.scenarios", "--noinput", "-v", "2", timeout=400)
-        assert "Ran 18 tests" in out.stderr and "\nOK" in out.stderr, out.stderr[-3000:]
+        assert "Ran 19 tests" in out.stderr and "\nOK" in out.stderr, out.stderr[-3000:]
         server = make_url(MARIADB_URL).set(database=site.name, query={})
         for scheme in ("mysql", "mariadb"):
             as_url = server.set(drivername=scheme).render_as_string(hide_password=False)

@@ -25,6 +25,7 @@ from taskguard.config import guard_for
 from taskguard.contrib.django.conf import database_url
 from taskguard.contrib.django.models import HeldLock, LockEvent
 from taskguard.history import EVENTS, secs
+from taskguard.options import Phase
 
 CHANGELIST = "/admin/taskguard/heldlock/"
 HISTORY = "/admin/taskguard/lockevent/"
@@ -130,6 +131,19 @@ class AdminPages(TransactionTestCase):
             },
             follow=True,
         )
+
+    def test_held_locks_show_their_phase_and_slots(self) -> None:
+        """Issue 44: the phase a lease is in, and its key's slots in use of its limit."""
+        batch = _key("batch")
+        for _ in range(2):
+            self.assertIsNotNone(self.guard.acquire(batch, ttl=60, limit=3))
+        queued = self.guard.try_acquire(_key("job"), 60, phase=Phase.QUEUE)
+        self.assertIsNotNone(queued.lease)
+        self.client.force_login(self.viewer)
+        page = self.client.get(CHANGELIST)
+        self.assertContains(page, '<td class="field-slots_shown">2 of 3</td>', count=2)
+        self.assertContains(page, '<td class="field-phase_shown">queue</td>')
+        self.assertContains(page, '<td class="field-slots_shown">1 of 1</td>')
 
     def test_held_locks_are_listed_and_searchable(self) -> None:
         self.client.force_login(self.operator)
@@ -358,7 +372,8 @@ class AdminPages(TransactionTestCase):
         self.client.force_login(self.viewer)
         page = self.client.get(CHANGELIST).content.decode()
         columns = re.findall(r'<th scope="col" class="[^"]*column-(\w+)', page)
-        self.assertEqual(columns, ["acquired_at", "expires_at", "key", "holder", "slot", "token"])
+        self.assertEqual(columns, ["acquired_at", "expires_at", "key", "holder", "phase_shown",
+                                   "slots_shown", "slot", "token"])  # fmt: skip
         self.assertIn("task shop.import_feed id t-1 on w1 pid 42", page)
         self.assertIn('<span style="overflow-wrap: anywhere">' + self.key, page)
         history_page = self.client.get(HISTORY, {"q": self.key}).content.decode()
