@@ -4,7 +4,7 @@ Users: docs/dramatiq.md.
 
 An adapter over the core (taskguard.runs): the options are checked by
 ``GuardSpec.of`` when an actor is declared; a send of a queue-locked actor goes
-through ``enqueue_locked``; a worker's run is one ``GuardedRun`` (``begin`` in
+through ``enqueue_locked``; a worker's run is one ``GuardedRun`` (``start`` in
 ``before_process_message``, ``exit`` in ``after_process_message``). What a conflict
 does is the core's; this module only says how Dramatiq skips (``SkipMessage``),
 retries (its ``Retries`` middleware, with ``Retry(delay=...)``) and answers a
@@ -76,6 +76,11 @@ class _RunActions(Actions):
         raise _through(Retry(str(error), delay=max(1, round(countdown * 1000))))
 
 
+#: A worker's run of a message: retried by Dramatiq's Retries; a message may be
+#: delivered again after it finished (its finished record drops the copy).
+_dramatiq_run = functools.partial(GuardedRun, actions=_RunActions(), redelivers=True)
+
+
 class TaskGuardMiddleware(Middleware):
     """taskguard's locks for a Dramatiq broker. ``database_url``: the lock database
     (else ``$TASKGUARD_DATABASE_URL``); ``settings``: other ``taskguard_*`` settings
@@ -132,17 +137,15 @@ class TaskGuardMiddleware(Middleware):
         spec = self.specs.get(message.actor_name)
         if spec is None:
             return
-        run = GuardedRun(spec, self, message.args, message.kwargs, task_id=message.message_id,
-                         actions=_RunActions(), redelivers=True)  # fmt: skip
+        run = _dramatiq_run(spec, self, message.args, message.kwargs, task_id=message.message_id)
         self._runs.current = run  # from now on, the after_* hooks end it
         try:
-            began = run.begin()
+            began = run.start()
         except Exception as exc:  # Retry, AlreadyLocked (on_conflict="raise"), an outage
             _through(exc)
             raise
         if not began:  # skipped (the core logged the key and its holder)
             raise SkipMessage(run.outcome)
-        run.enter()
 
     def after_process_message(
         self, broker: Any, message: Any, *, result: Any = None, exception: Any = None

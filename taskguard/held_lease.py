@@ -93,9 +93,7 @@ def valid_until(lease: Lease) -> float:
     renewal confirms it again: ``confirmed + ttl - margin`` (a lease whose
     confirmation time is unknown here counts from now)."""
     confirmed = lease.confirmed_at
-    if confirmed is None:
-        confirmed = time.monotonic()
-    return confirmed + lease.ttl * (1.0 - MARGIN)
+    return (time.monotonic() if confirmed is None else confirmed) + lease.ttl * (1.0 - MARGIN)
 
 
 #: Seconds between attempts of a release that could not reach the lock database.
@@ -174,6 +172,8 @@ class Hold:
     #: Named as the sender of :data:`~taskguard.signals.lease_lost`; the task id, logged.
     sender: Any = None
     task_id: str | None = None
+    #: The framework's request (Celery's), if any.
+    request: Any = None
 
     def __init__(self, guard: TaskGuard, key: str, lease: Lease | None, request: Any) -> None:
         self.guard, self.key, self.lease, self.request = guard, key, lease, request

@@ -1,14 +1,17 @@
-"""A guarded run for any task framework: the protocol every integration but Celery's
-follows (django.tasks, Dramatiq, taskiq), and the conflict decisions they share.
+"""A guarded run for any task framework: the run every integration's runs are
+(django.tasks, Dramatiq and taskiq follow its whole protocol; Celery's
+:class:`~taskguard.celery.running.Run` adds what only Celery knows), and the
+conflict decisions they share.
 
 An integration supplies only what its framework knows: the task's options and
 arguments (:meth:`GuardSpec.of`, :meth:`GuardSpec.key`), the job id, and its
-:class:`Actions` (how to hand back a skipped result, run a job again later, answer
-a duplicate enqueue with the queued job). The core decides the rest: which action
-each ``on_conflict`` mode takes, at enqueue and in the run, and its log line; the
-queue lease an enqueue takes and the run adopts (:func:`enqueue_locked`); the lease
-held, renewed and given back around the body (:class:`GuardedRun`); the record a
-finished job leaves so that another delivery of it does not run again."""
+:class:`Actions` (how to hand back a skipped result, run a job again later, drop a
+late copy, answer a duplicate enqueue with the queued job). The core decides the
+rest: which action each ``on_conflict`` mode takes, at enqueue and in the run, and
+its log line; the queue lease an enqueue takes and the run adopts
+(:func:`enqueue_locked`); the lease held, renewed and given back around the body
+(:class:`GuardedRun`); the record a finished job leaves so that another delivery
+of it does not run again."""
 
 from __future__ import annotations
 
@@ -27,14 +30,14 @@ from typing import Any, TypeVar
 from taskguard import signals
 from taskguard.companions import FINISHED_PREFIX
 from taskguard.config import guard_for, setting
-from taskguard.exceptions import AlreadyLocked, OutcomeUnknown
+from taskguard.exceptions import AlreadyLocked, OutcomeUnknown, TaskGuardError
 from taskguard.guard import TaskGuard
 from taskguard.held_lease import Hold, Interrupter, enter_run, exit_run, release_when_reachable
 from taskguard.held_lease import valid_until as local_deadline
 from taskguard.lease import Holder, Lease, LockInfo, Marker, describe_holder
 from taskguard.options import Conflict, Durations, Framework, GuardOptions, Phase, durations
 from taskguard.results import skipped_result
-from taskguard.validation import holder_for, normalize_key, validate_ttl
+from taskguard.validation import MAX_KEY_LENGTH, holder_for, normalize_key, validate_ttl
 
 __all__ = [
     "Actions",
@@ -92,13 +95,15 @@ def conflict_line(
 
 
 def report_conflict(
-    action: Conflict, task: str, task_id: str | None, key: str, holder: LockInfo | None, **how: Any
-) -> None:
+    action: Conflict, task: str, task_id: str | None, key: str, holder: LockInfo | None,
+    *, sender: Any = None, **how: Any,
+) -> None:  # fmt: skip
     """Log a conflict (:func:`conflict_line`, ``how``: its countdown or wait) and send
-    :data:`~taskguard.signals.lock_conflict` (its sender: the task's name)."""
+    :data:`~taskguard.signals.lock_conflict` (its sender: ``sender``, else the task's name)."""
     log.warning(conflict_line(action, task, task_id, key, holder, **how))
     waited = {"waited": how["waited"]} if how.get("waited") is not None else {}
-    signals.lock_conflict.send(sender=task, key=key, holder=holder, action=action, **waited)
+    sender = task if sender is None else sender
+    signals.lock_conflict.send(sender=sender, key=key, holder=holder, action=action, **waited)
 
 
 class Actions:
@@ -123,6 +128,15 @@ class Actions:
     def existing(self, job_id: str) -> Any:
         """At enqueue: answer a duplicate with the queued job ``job_id``'s handle."""
         raise NotImplementedError
+
+    def dropped(self, value: dict[str, Any], error: AlreadyLocked) -> Any:
+        """A late copy of a finished job does not run (logged and signalled already):
+        as :meth:`skip` unless overridden."""
+        return self.skip(value, error)
+
+
+#: The actions of a framework that overrides none.
+SKIPPING = Actions()
 
 
 @dataclass(frozen=True)
@@ -153,7 +167,18 @@ class GuardSpec:
 
     def key(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
         """The lock key of a call with these arguments."""
-        return self.opts.deriver.derive(args[1:] if self.skip_first else args, dict(kwargs))
+        return self._derive(args[1:] if self.skip_first else args, dict(kwargs))
+
+    @cached_property
+    def _derive(self) -> Callable[[Any, Any], str]:
+        return self.opts.deriver.derive
+
+    def retention(self, app: Any) -> float:
+        """:func:`finished_retention` of ``app``, read once (again for another app)."""
+        seen = self.__dict__.get("_retention")
+        if seen is None or seen[0] is not app:
+            seen = self.__dict__["_retention"] = (app, finished_retention(app))
+        return float(seen[1])
 
     def durations(self, app: Any) -> Durations:
         """The lease lengths and wait; ``app``: the settings taskguard.config reads."""
@@ -168,23 +193,40 @@ class GuardSpec:
         return durations(opts, lambda name: None)
 
 
-def _finished_record(app: Any, task_id: str | None) -> Marker | None:
-    # The record a finished job leaves (taskguard_finished_retention; 0: none).
-    retention = setting(app, "taskguard_finished_retention")
-    if task_id is None or retention in (0, None):
-        return None
-    key = normalize_key(f"{FINISHED_PREFIX}{task_id}")
-    return Marker(key, validate_ttl(retention, name="taskguard_finished_retention"))
+def finished_key(task_id: str) -> str:
+    """The key of the record a finished run of ``task_id`` (as stored) leaves."""
+    key = FINISHED_PREFIX + task_id  # stored form already (what normalize_key returns), or:
+    plain = len(key) <= MAX_KEY_LENGTH and key.isascii() and key.isprintable()
+    return key if plain else normalize_key(key)
+
+
+def finished_retention(app: Any) -> float:
+    """``taskguard_finished_retention`` of ``app`` in seconds (0: no finished records)."""
+    value = setting(app, "taskguard_finished_retention")
+    return 0.0 if value in (0, None) else validate_ttl(value, name="taskguard_finished_retention")
 
 
 class GuardedRun(Hold):
     """One execution of a guarded job: takes its lease (or adopts the one its enqueue
     took), acts on a conflict, renews while the body runs, gives the lease back after.
+    Celery's run shares the holder, the finished record, the conflict entry
+    (:meth:`refused`), :meth:`hold` and :meth:`release`.
 
     ``task_id``: the job's id (its enqueue's lease names it; with ``redelivers`` the
     finished record is keyed by it). ``redelivers``: the framework may deliver a job
     again after it finished (at-least-once brokers): a finished job leaves a record
     for ``taskguard_finished_retention`` and a later delivery of it does not run."""
+
+    #: The record this run leaves when it finished for good (stored key, retention,
+    #: this run's holder), which refuses a late copy's acquire; None: none.
+    finished: Marker | None = None
+    #: What the job returns when :meth:`start` says the body must not run.
+    outcome: Any = None
+    #: When (``time.monotonic()``) the lease was taken.
+    started = 0.0
+    #: This run's holder details (the task, its id, this host and process).
+    holder: Holder
+    _token: Any = None
 
     def __init__(
         self,
@@ -198,21 +240,35 @@ class GuardedRun(Hold):
         redelivers: bool = False,
         guard: TaskGuard | None = None,
     ) -> None:
-        super().__init__(guard or guard_for(app), spec.key(args, kwargs), None, None)
-        self.spec, self.app, self.task_id = spec, app, task_id
+        self.guard, self.key = guard or guard_for(app), spec.key(args, kwargs)
+        self.spec, self.opts, self.app, self.task_id = spec, spec.opts, app, task_id
         self.name = self.sender = spec.name
-        self.actions = actions or Actions()
-        self.finished = _finished_record(app, task_id) if redelivers else None
-        #: What the job returns when :meth:`begin` says the body must not run.
-        self.outcome: Any = None
-        self._token: Any = None
-        self._holder: Holder | None = None
+        self.actions = actions or SKIPPING
+        self.holder = holder_for(self.guard.hostname, spec.name, task_id)
+        if redelivers and task_id is not None and (retention := spec.retention(app)):
+            self.finished = Marker(finished_key(task_id), retention, self.holder)
 
     # -- the protocol -----------------------------------------------------------------
 
+    def start(self) -> bool:
+        """Take the lease and stay this context's run (``check_lease()``,
+        ``current_lease()``) until :meth:`exit`, armed for ``stop_on_lease_loss`` (a
+        sync job, on its body's thread); ``False`` when the body must not run
+        (:attr:`outcome`: what the job returns). Raises what the conflict action raises."""
+        self._token = enter_run(self)  # before the grant (its spans: taskguard.otel)
+        try:
+            began = self._begin()
+        except BaseException:
+            self._leave()
+            raise
+        if not began:
+            self._leave()
+        elif self.lease is not None and self.opts.stop_on_lease_loss:
+            self.interrupter = Interrupter(self.name).arm()
+        return began
+
     def begin(self) -> bool:
-        """Take the lease; ``False`` when the body must not run (:attr:`outcome` is
-        then what the job returns). Raises what the conflict action raises."""
+        """:meth:`start`, leaving the context's run and arming nothing (:meth:`abegin`)."""
         token = enter_run(self)  # this context's run meanwhile (its spans: taskguard.otel)
         try:
             return self._begin()
@@ -220,7 +276,7 @@ class GuardedRun(Hold):
             exit_run(token)
 
     def _begin(self) -> bool:
-        opts, guard = self.spec.opts, self.guard
+        opts, guard = self.opts, self.guard
         times = self.spec.durations(self.app)
         lease = self._adopt(times.ttl) if opts.locks_queue else None
         if not opts.locks_run:  # the queue lease ends as the run starts
@@ -228,61 +284,34 @@ class GuardedRun(Hold):
                 guard.release(lease)
             return True
         if lease is None:
-            unless = self.finished.key if self.finished is not None else None
             if opts.plain:  # one slot, no wait: the key and ttl are in stored form already
-                lease, holder = guard.take(self.key, times.ttl, self.holder(), unless, phase=Phase.RUN)  # fmt: skip
+                lease, holder = guard.take(self.key, times.ttl, self.holder, self.unless, phase=Phase.RUN)  # fmt: skip
             else:
                 lease, holder = guard.try_acquire(
                     self.key, times.ttl, wait=times.wait_timeout, task_name=self.name,
-                    task_id=self.task_id, unless=unless, phase=Phase.RUN, **opts.acquire_options,
+                    task_id=self.task_id, unless=self.unless, phase=Phase.RUN, **opts.acquire_options,
                 )  # fmt: skip
             if lease is None:
-                self.outcome = self._conflict(holder, times)
+                self.outcome = self.refused(holder, times.wait_timeout if opts.mode.waits else None)
                 return False
-        self.lease, self.valid_until = lease, local_deadline(lease)
+        self.hold(lease)
         self.start_renewing()
         return True
 
-    def enter(self) -> None:
-        """Make this the context's run (``check_lease()``/``current_lease()``); on the
-        main thread of a sync job, arm ``stop_on_lease_loss``."""
-        self._token = enter_run(self)
-        if self.lease is not None and self.spec.opts.stop_on_lease_loss:
-            self.interrupter = Interrupter(self.name).arm()
-
     def exit(self, final: bool = True) -> None:
-        """Give the lease back (once: a second call does nothing). ``final``: the job
-        will not run again (it returned, or failed for good), so its finished record
-        is taken with the release."""
+        """Leave the run and :meth:`release` the lease (``final``: the job will not run
+        again: it returned, or failed for good)."""
         if self.interrupter is not None:
             self.interrupter.disarm()
             self.interrupter = None
-        if self._token is not None:
-            exit_run(self._token)
-            self._token = None
-        lease, self.lease = self.lease, None
-        if lease is None:
-            return
-        self.stop_renewing()
-        marker = self.finished if final else None
-        if marker is not None:  # complete: stored key, ttl in seconds, this run's holder
-            marker = marker._replace(holder=self.holder())
-        if not self.guard.give_back(lease, marker):
-            log.warning("task %s[%s]: lease on %r had expired or been taken over at release",
-                        self.name, self.task_id, self.key)  # fmt: skip
-
-    def holder(self) -> Holder:
-        """This run's holder details (the task, its id, this host and process), checked once."""
-        if self._holder is None:
-            self._holder = holder_for(self.guard.hostname, self.name, self.task_id)
-        return self._holder
+        self._leave()
+        self.release(final)
 
     def run(self, body: Callable[[], T]) -> T | Any:
         """The whole protocol around a sync ``body``. A body that raised leaves no
         finished record: the framework may run the job again (a retry, same id)."""
-        if not self.begin():
+        if not self.start():
             return self.outcome
-        self.enter()
         returned = False
         try:
             value = body()
@@ -303,16 +332,14 @@ class GuardedRun(Hold):
             raise asyncio.CancelledError
         if began:
             self._token = enter_run(self)  # the body's context
-            if self.lease is not None and self.spec.opts.stop_on_lease_loss:
+            if self.lease is not None and self.opts.stop_on_lease_loss:
                 self.interrupter = Interrupter(self.name, asyncio.current_task()).arm()
         return bool(began)
 
     async def aexit(self, final: bool = True) -> None:
         """:meth:`exit` off the event loop (completes even when cancelled, then re-raises);
         with ``stop_on_lease_loss``, raises the :class:`LeaseLost` that cancelled the body."""
-        if self._token is not None:
-            exit_run(self._token)
-            self._token = None
+        self._leave()
         interrupter = self.interrupter
         try:
             cancelled = (await _on_thread(lambda: self.exit(final)))[1]
@@ -337,7 +364,89 @@ class GuardedRun(Hold):
         finally:
             await self.aexit(final=returned)
 
+    # -- what every integration's run shares -------------------------------------------
+
+    @property
+    def unless(self) -> str | None:
+        """The key whose record refuses this run's acquire: its finished record's (a
+        late copy's run is refused while the record is held)."""
+        return self.finished and self.finished.key
+
+    def hold(self, lease: Lease, taken: bool = True) -> None:
+        """Hold ``lease`` from here on; one taken (not adopted) is announced
+        (:data:`~taskguard.signals.lock_acquired`, sent only to receivers)."""
+        if taken and signals.lock_acquired.receivers:
+            signals.lock_acquired.send(sender=self.sender, key=self.key, lease=lease)
+        self.lease, self.started, self.valid_until = lease, time.monotonic(), local_deadline(lease)
+
+    def release(self, final: bool = False) -> None:
+        """Stop renewing (waiting for a renewal in flight) and give the lease back, once;
+        ``final``: the job is done for good, so its finished record is taken by the same
+        statement. Never raises: a lease that had expired or been taken over is logged,
+        so is a failed release (it then ends by expiry). Sends ``lock_released`` (only
+        to receivers)."""
+        if self.lease is None:
+            return
+        self.stop_renewing()
+        lease, self.lease = self.lease, None
+        released = release_quietly(self.guard, lease, self.finished if final else None)
+        if not released and self.lost is None:
+            log.warning("lock %r (owner %s) had expired or been taken over before %s[%s] "
+                        "released it", lease.key, lease.owner, self.name, self.task_id)  # fmt: skip
+        if signals.lock_released.receivers:
+            held_for = time.monotonic() - self.started
+            signals.lock_released.send(sender=self.sender, key=lease.key, lease=lease,
+                                       held_for=held_for, released=released)  # fmt: skip
+
+    def refused(self, holder: LockInfo | None, waited: float | None = None) -> Any:
+        """The conflict entry: the key (or this job's finished record) was held as the
+        run started, ``waited`` seconds after it began waiting (``on_conflict="wait"``).
+        A delivery of a job that finished is a late copy; anything else a conflict."""
+        if self.finished is not None and holder is not None and holder.key == self.finished.key:
+            return self.late_copy(holder)
+        return self.conflict(holder, waited)
+
+    def late_copy(self, holder: LockInfo | None = None) -> Any:
+        """Drop a delivery of a job that already finished: logged, sent as
+        :data:`~taskguard.signals.late_copy_dropped`, then :meth:`Actions.dropped`."""
+        log.warning("dropped a late copy of finished %s[%s] (lock %r): a run of this task "
+                    "id already finished", self.name, self.task_id, self.key)  # fmt: skip
+        signals.late_copy_dropped.send(sender=self.sender, key=self.key, task_id=self.task_id)
+        return self.actions.dropped(self._skipped(holder), AlreadyLocked(self.key, holder))
+
+    def conflict(self, holder: LockInfo | None, waited: float | None = None) -> Any:
+        """Act on the held key per ``on_conflict`` (the log line and signal:
+        :func:`report_conflict`; the action: the framework's :class:`Actions`)."""
+        mode, error = self.opts.conflict, AlreadyLocked(self.key, holder)
+        if mode is Conflict.RAISE:
+            self._report(mode, holder, waited=waited)
+            raise error
+        if mode is Conflict.RETRY and self.actions.can_retry():
+            countdown = conflict_countdown(self.opts.retry_countdown, holder)
+            self._report(mode, holder, countdown=countdown)
+            return self.actions.retry(countdown, error)
+        if mode is Conflict.RETRY:
+            log.warning("task %s[%s] cannot be run again later (on_conflict='retry'): skipping",
+                        self.name, self.task_id)  # fmt: skip
+        self._report(Conflict.SKIP, holder, waited=waited)
+        return self.actions.skip(self._skipped(holder), error)
+
     # -- inside ------------------------------------------------------------------------
+
+    def _leave(self) -> None:
+        if self._token is not None:  # no longer this context's run
+            exit_run(self._token)
+            self._token = None
+
+    def _report(self, action: Conflict, holder: LockInfo | None, **how: Any) -> None:
+        report_conflict(
+            action, self.name, self.task_id, self.key, holder, sender=self.sender, **how
+        )
+
+    def _skipped(self, holder: LockInfo | None) -> dict[str, Any]:
+        return skipped_result(
+            task=self.name, task_id=self.task_id, key=self.key, phase="run", holder=holder
+        )
 
     def _adopt(self, ttl: float) -> Lease | None:
         # The lease the enqueue took for this job (its holder names the job, or no job
@@ -357,32 +466,6 @@ class GuardedRun(Hold):
             self.key, mine[0].owner, ttl, slot=mine[0].slot, exclusive=True,
             task_name=self.name, task_id=self.task_id, phase=Phase.RUN,
         )  # fmt: skip
-
-    def _conflict(self, holder: LockInfo | None, times: Durations) -> Any:
-        if self.finished is not None and holder is not None and holder.key == self.finished.key:
-            log.warning("dropped a late copy of finished %s[%s] (lock %r): a run of this "
-                        "job id already finished", self.name, self.task_id, self.key)  # fmt: skip
-            signals.late_copy_dropped.send(sender=self.name, key=self.key, task_id=self.task_id)
-            return self.actions.skip(self._skipped(holder), AlreadyLocked(self.key, holder))
-        mode = self.spec.opts.conflict
-        waited = times.wait_timeout if mode is Conflict.WAIT else None
-        if mode is Conflict.RAISE:
-            report_conflict(mode, self.name, self.task_id, self.key, holder, waited=waited)
-            raise AlreadyLocked(self.key, holder)
-        if mode is Conflict.RETRY and not self.actions.can_retry():
-            log.warning("task %s[%s] cannot be run again later (on_conflict='retry'): skipping",
-                        self.name, self.task_id)  # fmt: skip
-        elif mode is Conflict.RETRY:
-            countdown = conflict_countdown(self.spec.opts.retry_countdown, holder)
-            report_conflict(mode, self.name, self.task_id, self.key, holder, countdown=countdown)
-            return self.actions.retry(countdown, AlreadyLocked(self.key, holder))
-        report_conflict(Conflict.SKIP, self.name, self.task_id, self.key, holder, waited=waited)
-        return self.actions.skip(self._skipped(holder), AlreadyLocked(self.key, holder))
-
-    def _skipped(self, holder: LockInfo | None) -> dict[str, Any]:
-        return skipped_result(
-            task=self.name, task_id=self.task_id, key=self.key, phase="run", holder=holder
-        )
 
 
 def enqueue_locked(
@@ -471,6 +554,25 @@ def _duplicate(
         return actions.retry(countdown, refused)
     report_conflict(Conflict.RAISE, spec.name, task_id, key, holder)
     raise refused
+
+
+def release_quietly(
+    guard: TaskGuard, lease: Lease, marker: Marker | None = None, reason: str | None = None
+) -> bool:
+    """Give ``lease`` back without raising (a failure is logged: the lease then ends by
+    expiry); ``marker``: complete (see :meth:`TaskGuard.give_back`); ``reason``: why,
+    for the history (see :meth:`TaskGuard.release`)."""
+    try:
+        return guard.give_back(lease, marker, reason)
+    except TaskGuardError as exc:
+        log.error(
+            "could not release lock %r (owner %s): %s; it ends by expiry at %s",
+            lease.key,
+            lease.owner,
+            exc,
+            lease.expires_at.isoformat(),
+        )
+        return False
 
 
 async def _on_thread(call: Callable[[], Any]) -> tuple[Any, bool]:

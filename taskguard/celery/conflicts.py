@@ -1,20 +1,20 @@
-"""``on_conflict``: what a submission does when its key is held, one unit per strategy.
+"""``on_conflict`` at enqueue: what a submission does when its key is held, one unit
+per strategy; and the two Celery-only actions of a run that finds its key held.
 
 Each :class:`Strategy` is what one conflict mode (:class:`taskguard.options.Conflict`;
 what it accepts is the core's, :data:`taskguard.options.MODES`) does in Celery when
-the key is held at enqueue (a queue phase: ``lock="queue"``/``"queue_and_run"``) and
-when it is held as a worker starts the run. The core paths (:meth:`GuardedTask.apply_async
-<taskguard.celery.task.GuardedTask.apply_async>`, :mod:`taskguard.celery.running`)
-call the task's strategy (``options.strategy``) through its two entries,
-:meth:`~Strategy.held_at_enqueue` and :meth:`~Strategy.held_at_run`, and never
-compare names: a new mode is one value in the core and one class here, registered
-in :data:`ACTIONS`.
+the key is held at enqueue (a queue phase: ``lock="queue"``/``"queue_and_run"``):
+:meth:`GuardedTask.apply_async <taskguard.celery.task.GuardedTask.apply_async>` calls
+the task's strategy (``options.strategy``) through :meth:`~Strategy.held_at_enqueue`
+and never compares names: a new mode is one value in the core and one class here,
+registered in :data:`ACTIONS`. In the run the core decides (:meth:`taskguard.runs.
+GuardedRun.conflict`, Celery's actions: :class:`taskguard.celery.running.Run`), but
+for a start deferred while the key is busy (:data:`DEFER`: ``rate=`` without
+``on_conflict``) and another delivery of the very message holding the key (a broker
+redelivery, whatever the strategy: :data:`REDELIVERY`).
 
 Every conflict is logged with the key and its holder and sent as
 :data:`taskguard.signals.lock_conflict` with the action taken (by the entry).
-Another delivery of the very message holding the key (a broker redelivery) is
-always retried, whatever the strategy (:meth:`Run.conflict
-<taskguard.celery.running.Run.conflict>`).
 
 Inside a canvas (a chord or group member, a chain link, a task with link
 callbacks) a skipped member is still published, carrying its skipped marker (see
@@ -38,7 +38,7 @@ from taskguard.options import Conflict
 from taskguard.results import skipped_result
 from taskguard.runs import conflict_countdown, conflict_line
 
-__all__ = ["ACTIONS", "RETRY", "Strategy"]
+__all__ = ["ACTIONS", "DEFER", "REDELIVERY", "Strategy"]
 
 log = logging.getLogger("taskguard.celery")
 
@@ -47,25 +47,12 @@ class Strategy:
     """The Celery actions of one conflict mode (the base class: skip)."""
 
     name: ClassVar[str] = Conflict.SKIP
-    #: What a conflict in the run does, as :data:`~taskguard.signals.lock_conflict`
-    #: reports it: the base's :meth:`at_run` skips (also for existing, wait, coalesce).
-    run_action: ClassVar[str] = Conflict.SKIP
 
     def held_at_enqueue(self, sub: Submission, holder: LockInfo | None) -> Any:
         """The entry at enqueue: the key is held when a queue phase publishes ``sub``;
         the conflict is sent, then the strategy acts (:meth:`at_enqueue`)."""
         signals.lock_conflict.send(sender=sub.task, key=sub.key, holder=holder, action=self.name)
         return self.at_enqueue(sub, holder)
-
-    def held_at_run(self, run: Any, holder: LockInfo | None, waited: float | None) -> Any:
-        """The entry in the worker: the key is held as ``run`` (a
-        :class:`~taskguard.celery.running.Run`) starts, ``waited`` seconds after it
-        began waiting (``on_conflict="wait"``); the conflict is sent, then the
-        strategy acts (:meth:`at_run`)."""
-        signals.lock_conflict.send(
-            sender=run.task, key=run.key, holder=holder, action=self.run_action, waited=waited
-        )
-        return self.at_run(run, holder, waited)
 
     def at_enqueue(self, sub: Submission, holder: LockInfo | None) -> Any:
         """Return what ``apply_async`` returns (skip: the skipped marker)."""
@@ -77,38 +64,22 @@ class Strategy:
         log.warning(conflict_line(Conflict.SKIP, task.name, task_id, key, holder) + canvas)
         return sub.answer(value)
 
-    def at_run(self, run: Any, holder: LockInfo | None, waited: float | None) -> Any:
-        """Return the run's result, or raise (skip: the skipped marker)."""
-        task, request, key = run.task, run.request, run.key
-        log.warning(conflict_line(Conflict.SKIP, task.name, request.id, key, holder, waited=waited))
-        return skipped_result(
-            task=task.name, task_id=request.id, key=key, phase="run", holder=holder
-        )
-
 
 class Raise(Strategy):
-    """Raise :class:`~taskguard.AlreadyLocked` (from ``apply_async``, or in the run)."""
+    """Raise :class:`~taskguard.AlreadyLocked` from ``apply_async``."""
 
-    name = run_action = Conflict.RAISE
+    name = Conflict.RAISE
 
     def at_enqueue(self, sub: Submission, holder: LockInfo | None) -> Any:
-        return self._refuse(sub.task, sub.task_id, sub.key, holder)
-
-    def at_run(self, run: Any, holder: LockInfo | None, waited: float | None) -> Any:
-        return self._refuse(run.task, run.request.id, run.key, holder)
-
-    def _refuse(self, task: Any, task_id: Any, key: str, holder: LockInfo | None) -> Any:
-        log.warning(conflict_line(Conflict.RAISE, task.name, task_id, key, holder))
-        raise AlreadyLocked(key, holder)
+        log.warning(conflict_line(Conflict.RAISE, sub.task.name, sub.task_id, sub.key, holder))
+        raise AlreadyLocked(sub.key, holder)
 
 
 class Retry(Strategy):
-    """Try again later: published with a countdown at enqueue; ``Task.retry`` in the
-    run (counted against ``max_retries``). ``retry_countdown``: the countdown
-    (default: until the holder's lease ends, with jitter; always that for another
-    delivery of the run's own message)."""
+    """Try again later: published with a countdown (``retry_countdown``; default:
+    until the holder's lease ends, with jitter)."""
 
-    name = run_action = Conflict.RETRY
+    name = Conflict.RETRY
 
     def at_enqueue(self, sub: Submission, holder: LockInfo | None) -> Any:
         task, key = sub.task, sub.key
@@ -120,17 +91,6 @@ class Retry(Strategy):
         sub.options.pop("eta", None)
         sub.options["countdown"] = countdown
         return sub.publish(Header(key, deferred=True))
-
-    def at_run(self, run: Any, holder: LockInfo | None, waited: float | None) -> Any:
-        task, request, key, opts = run.task, run.request, run.key, run.opts
-        countdown = conflict_countdown(opts.retry_countdown, holder)
-        if not opts.locks_run:  # lock="queue": the retry is checked again, like a deferral
-            run.deferred = True
-        line = conflict_line(
-            Conflict.RETRY, task.name, request.id, key, holder, countdown=countdown
-        )
-        log.warning(f"{line} (retry {request.retries + 1})")
-        raise task.retry(countdown=countdown, exc=AlreadyLocked(key, holder))
 
 
 class Existing(Strategy):
@@ -163,8 +123,11 @@ class Defer(Strategy):
     #: The deferral's reason (``run_deferred``, the metric), and what it waits for.
     reason, waits_for = "busy", ""
 
-    def at_run(self, run: Any, holder: LockInfo | None, waited: float | None) -> Any:
+    def held_at_run(self, run: Any, holder: LockInfo | None) -> Any:
+        """The key is held as ``run`` (a :class:`~taskguard.celery.running.Run`) starts:
+        the conflict is sent, then the start is published again (raises its Retry)."""
         task, request, key = run.task, run.request, run.key
+        signals.lock_conflict.send(sender=task, key=key, holder=holder, action=self.run_action)
         described = describe_holder(holder)
         why = f"{task.name}[{request.id}] waits{self.waits_for}"
         log.info("%s: lock %r is held by %s", why, key, described)
@@ -183,17 +146,18 @@ class Redelivery(Defer):
 
 
 SKIP = Strategy()
-RETRY = Retry()
+#: A start deferred while the key is busy (``rate=`` without ``on_conflict``).
+DEFER = Defer()
 #: What another delivery of the same message does (whatever the strategy).
 REDELIVERY = Redelivery()
-#: The Celery actions of every conflict mode (wait and coalesce act in the run's
-#: acquire and in taskguard.celery.pending; a conflict left after them skips).
+#: The Celery actions of every conflict mode at enqueue (wait and coalesce act in
+#: the run; a queue phase's conflict skips).
 ACTIONS: dict[Conflict, Strategy] = {
     Conflict.SKIP: SKIP,
     Conflict.RAISE: Raise(),
-    Conflict.RETRY: RETRY,
+    Conflict.RETRY: Retry(),
     Conflict.EXISTING: Existing(),
     Conflict.WAIT: SKIP,
     Conflict.COALESCE: SKIP,
-    Conflict.DEFER: Defer(),
+    Conflict.DEFER: DEFER,
 }

@@ -2,11 +2,11 @@
 in a message.
 
 One attempt reads the holder with the same call that found the conflict
-(:meth:`TaskGuard.try_acquire`); a release never raises (the lease then ends by
-expiry); every release of a run's lease is announced with
-:data:`taskguard.signals.lock_released`. A lease published in a message is given
-back if the publish fails (:func:`publish_carrying`). The record a finished run
-leaves: :mod:`taskguard.celery.finished`.
+(:meth:`TaskGuard.try_acquire`); a release never raises (the core's
+:func:`taskguard.runs.release_quietly`: the lease then ends by expiry); every release
+of a lease a run held is announced with :data:`taskguard.signals.lock_released`. A
+lease published in a message is given back if the publish fails
+(:func:`publish_carrying`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any
 
 from taskguard import signals
 from taskguard.celery.message import Header, Submission
-from taskguard.exceptions import TaskGuardError
 from taskguard.guard import ATTEMPTS_WHEN_FREED, TaskGuard
-from taskguard.lease import Holder, Lease, LockInfo, Marker
+from taskguard.lease import Holder, Lease, LockInfo
+from taskguard.runs import release_quietly
 from taskguard.validation import MAX_TTL
 
 __all__ = [
@@ -72,25 +72,6 @@ def lease_from_info(info: LockInfo, min_hold: float | None = None) -> Lease:
         info.slot,
         min_hold or 0.0,
     )
-
-
-def release_quietly(
-    guard: TaskGuard, lease: Lease, marker: Marker | None = None, reason: str | None = None
-) -> bool:
-    """Release without raising (a failure is logged; the lease then ends by expiry);
-    ``marker``: complete, as the Celery layer builds them (see :meth:`TaskGuard.give_back`);
-    ``reason``: why, for the history (see :meth:`TaskGuard.release`)."""
-    try:
-        return guard.give_back(lease, marker, reason)
-    except TaskGuardError as exc:
-        log.error(
-            "could not release lock %r (owner %s): %s; it ends by expiry at %s",
-            lease.key,
-            lease.owner,
-            exc,
-            lease.expires_at.isoformat(),
-        )
-        return False
 
 
 def send_released(sender: Any, lease: Lease, released: bool, held_for: float) -> None:

@@ -28,7 +28,6 @@ from celery.utils import uuid
 
 from taskguard.celery import handover, pending
 from taskguard.celery.deferral import publish_delay, retry_delay
-from taskguard.celery.finished import retention
 from taskguard.celery.lease_calls import clamp_ttl
 from taskguard.celery.message import HEADER, Header, Submission, carry
 from taskguard.celery.options import (
@@ -45,6 +44,7 @@ from taskguard.exceptions import ConfigurationError
 from taskguard.held_lease import active_run
 from taskguard.key_derivation import KeyOption
 from taskguard.options import Durations, durations
+from taskguard.runs import finished_retention
 
 __all__ = ["GuardedTask", "guarded_task"]
 
@@ -105,7 +105,7 @@ class GuardedTask(Task):  # type: ignore[misc]
         retention), read once per task object."""
         cached = self.__dict__.get("_taskguard_run_settings")
         if cached is None:
-            cached = (self.taskguard_options, self._ttl(), retention(self))
+            cached = (self.taskguard_options, self._ttl(), finished_retention(self._get_app()))
             self.__dict__["_taskguard_run_settings"] = cached
         return cached
 

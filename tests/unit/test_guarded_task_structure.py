@@ -18,11 +18,16 @@ from celery import Celery
 from celery.exceptions import Ignore
 
 from taskguard import GuardedTask, LeaseLost, TaskGuard, guarded_task, signals
-from taskguard.celery import finished, task
+from taskguard.celery import task
 from taskguard.celery.message import MAX_STORED_ID, is_shortened, stored_task_id
 from taskguard.celery.options import ATTR_PREFIX, OPTION_NAMES, option_defaults
+from taskguard.celery.running import Run
+from taskguard.companions import FINISHED_PREFIX
 from taskguard.config import reset_guards
 from taskguard.held_lease import Interrupter
+from taskguard.lease import Holder, Marker
+from taskguard.runs import finished_key, finished_retention
+from taskguard.validation import normalize_key
 
 PACKAGE = Path(__file__).resolve().parents[2] / "taskguard"
 
@@ -71,25 +76,38 @@ def test_finished_records_and_the_late_copy_drop(app: Celery, pg_url: str) -> No
 
     signals.late_copy_dropped.connect(receiver, weak=False)
     try:
-        assert not finished.is_finished(guard, "t-1")
 
         class Req:
             id = "t-1"
             hostname = "h"
+            is_eager = False
 
         @guarded_task(app=app, shared=False, key="f")
         def job() -> None: ...
 
-        finished.record_finished(guard, job, Req())
-        assert finished.is_finished(guard, "t-1")
-        info = guard.get(finished.finished_key("t-1"))
+        run = Run(job, Req(), (), {})
+        run.finished = record = Marker(
+            finished_key("t-1"), finished_retention(app), Holder(job.name, "t-1", "h", 1)
+        )
+        assert record.key == "taskguard:finished:t-1"
+        assert not run._finished_before()
+        run._finish(None)  # no lease to release: the record is taken by itself
+        assert run._finished_before()
+        info = guard.get(record.key)
         assert info is not None and 7100 < info.expires_in.total_seconds() <= 7200
+        run.key = "f"
         with pytest.raises(Ignore):
-            finished.drop_late_copy(job, Req(), "f")
+            run.late_copy()
         assert dropped == [{"signal": signals.late_copy_dropped, "key": "f", "task_id": "t-1"}]
     finally:
         signals.late_copy_dropped.disconnect(receiver)
         guard.dispose()
+
+
+def test_a_finished_key_is_in_stored_form() -> None:
+    # Built without normalize_key when it is stored form already; normalized otherwise.
+    for task_id in ("t-1", "t" * 300, "caf\u00e9", "a\tb"):
+        assert finished_key(task_id) == normalize_key(FINISHED_PREFIX + task_id)
 
 
 def _lost() -> LeaseLost:

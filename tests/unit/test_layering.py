@@ -37,8 +37,8 @@ STORE_USERS = {
 CELERY_LAYERS = (
     # the message: the header, task ids as stored, the markers, a submission
     ("message",),
-    # a task's leases: taken and given back, handed over in a message, finished records
-    ("lease_calls", "finished"),
+    # a task's leases: taken and given back, handed over in a message
+    ("lease_calls",),
     # deferred runs: countdowns, re-published copies, outages
     ("deferral",),
     # behaviours: conflict strategies, the queue phase (and leases handed over in a

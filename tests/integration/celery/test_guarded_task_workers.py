@@ -140,7 +140,7 @@ def test_retry_on_conflict_runs_once_the_holder_finished(env: Env) -> None:
     assert_no_overlap(found)
     assert found[1].retries >= 1  # it was re-scheduled, counted as a retry
     log = env.worker.log_text()
-    assert f"retrying tg.patient[{patient.id}]" in log and "retry 1" in log
+    assert f"retrying tg.patient[{patient.id}] in " in log  # the core's line (runs.py)
 
 
 def test_the_key_is_free_once_the_result_is_ready_and_for_the_next_link(env: Env) -> None:
