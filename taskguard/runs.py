@@ -56,6 +56,9 @@ T = TypeVar("T")
 #: How long a duplicate enqueue waits for the enqueue holding the key to name its
 #: job (``on_conflict="existing"``: it may be between its acquire and its publish).
 JOB_ID_WAIT = 5.0
+#: How much longer than its lease's time left a run waits for another delivery of its
+#: own job to end (the lease ends by the database clock).
+OUTLAST_MARGIN = 1.0
 #: The shortest countdown of a conflict retry.
 MIN_RETRY_COUNTDOWN = 0.5
 
@@ -291,6 +294,13 @@ class GuardedRun(Hold):
                     self.key, times.ttl, wait=times.wait_timeout, task_name=self.name,
                     task_id=self.task_id, unless=self.unless, phase=Phase.RUN, **opts.acquire_options,
                 )  # fmt: skip
+            while (
+                lease is None
+                and holder is not None
+                and self.owns(holder)
+                and holder.key == self.key
+            ):
+                lease, holder = self._outlast(holder, times.ttl)
             if lease is None:
                 self.outcome = self.refused(holder, times.wait_timeout if opts.mode.waits else None)
                 return False
@@ -398,6 +408,16 @@ class GuardedRun(Hold):
             signals.lock_released.send(sender=self.sender, key=lease.key, lease=lease,
                                        held_for=held_for, released=released)  # fmt: skip
 
+    def owns(self, holder: LockInfo | None) -> bool:
+        """Whether ``holder`` holds the key under this job's id: another delivery of
+        this very job (a broker delivered it again while that run's worker died, or
+        while it still runs), not a duplicate."""
+        return (
+            holder is not None
+            and self.task_id is not None
+            and holder.holder.task_id == self.task_id
+        )
+
     def refused(self, holder: LockInfo | None, waited: float | None = None) -> Any:
         """The conflict entry: the key (or this job's finished record) was held as the
         run started, ``waited`` seconds after it began waiting (``on_conflict="wait"``).
@@ -447,6 +467,19 @@ class GuardedRun(Hold):
         return skipped_result(
             task=self.name, task_id=self.task_id, key=self.key, phase="run", holder=holder
         )
+
+    def _outlast(self, holder: LockInfo, ttl: float) -> tuple[Lease | None, LockInfo | None]:
+        # Another delivery of this job holds the key: never skipped as a duplicate (the
+        # job would be lost with a dead worker); it waits for that lease to end, then
+        # runs, or is a late copy if that delivery finished meanwhile.
+        left = max(holder.expires_in.total_seconds(), 0.0) + OUTLAST_MARGIN
+        log.warning("task %s[%s]: lock %r is held by another delivery of this job (%s): waiting "
+                    "up to %.1fs for its lease to end", self.name, self.task_id, self.key,
+                    describe_holder(holder), left)  # fmt: skip
+        return self.guard.try_acquire(
+            self.key, ttl, wait=left, task_name=self.name, task_id=self.task_id,
+            unless=self.unless, phase=Phase.RUN, **self.opts.acquire_options,
+        )  # fmt: skip
 
     def _adopt(self, ttl: float) -> Lease | None:
         # The lease the enqueue took for this job (its holder names the job, or no job

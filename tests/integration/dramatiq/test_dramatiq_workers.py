@@ -6,7 +6,8 @@ Which scenario runs where (to keep this file near a minute and a half):
 
 * the storm (two ``dramatiq -p 2 -t 4`` workers, 200 sends over 5 keys, 0.2 s
   bodies): RabbitMQ + PostgreSQL, Redis + MariaDB, Redis + SQLite;
-* a worker SIGKILLed mid-run: Redis + PostgreSQL;
+* a worker SIGKILLed mid-run: Redis + PostgreSQL (the key freed), RabbitMQ +
+  PostgreSQL (the message the broker hands to the other worker runs);
 * a PostgreSQL outage during a run and during a send (a TCP proxy the test stops
   and starts): RabbitMQ + PostgreSQL;
 * a duplicate send with the queue lock refused before it reaches the broker, and a
@@ -232,6 +233,27 @@ def test_a_killed_worker_frees_its_key_within_the_ttl(
         guard.dispose()
     assert "taken over" in story and message.message_id in story, story
     assert not any(line[0] == "end" for line in env.lines())
+
+
+def test_a_killed_workers_message_runs_once_the_key_frees(
+    env_for: Callable[[str, str], Env], pg_url: str
+) -> None:
+    # RabbitMQ hands the dead worker's unacked message to the other worker at once:
+    # that copy finds the key held by its own message (the dead run's lease), which
+    # is not a duplicate: it runs once the lease ends, never skipped (a lost job).
+    env = env_for("rabbitmq", pg_url)
+    env.start(2)
+    env.actors["slow"].send("again", 1, 1.0)
+    env.wait_for(lambda lines: any(line[0] == "start" for line in lines))
+    pid = int(next(line for line in env.lines() if line[0] == "start")[4])
+    os.kill(pid, signal.SIGKILL)
+    env.wait_for(lambda lines: any(line[0] in ("done", "skip", "fail") for line in lines), 60)
+    ended = [line for line in env.lines() if line[0] in ("done", "skip", "fail")]
+    starts = sorted((line for line in env.lines() if line[0] == "start"), key=lambda s: float(s[3]))
+    assert [line[0] for line in ended] == ["done"], env.lines()
+    assert len(starts) == 2 and int(starts[1][4]) != pid, env.lines()
+    # It started once the dead run's lease (ttl 3 s) had run out, not before.
+    assert float(starts[1][3]) - float(starts[0][3]) >= 2.5, env.lines()
 
 
 @pytest.fixture
