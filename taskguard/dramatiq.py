@@ -5,7 +5,8 @@ Users: docs/dramatiq.md.
 An adapter over the core (taskguard.runs): the options are checked by
 ``GuardSpec.of`` when an actor is declared; a send of a queue-locked actor goes
 through ``enqueue_locked``; a worker's run is one ``GuardedRun`` (``start`` in
-``before_process_message``, ``exit`` in ``after_process_message``). What a conflict
+``before_process_message``, ``exit`` in ``after_process_message``; a message skipped
+before its run, by ``AgeLimit``, ``abandon``s the lease its send took). What a conflict
 does is the core's; this module only says how Dramatiq skips (``SkipMessage``),
 retries (its ``Retries`` middleware, with ``Retry(delay=...)``) and answers a
 duplicate send (the queued message).
@@ -156,9 +157,9 @@ class TaskGuardMiddleware(Middleware):
 
     def after_skip_message(self, broker: Any, message: Any) -> None:
         spec = self.specs.get(message.actor_name)
-        if getattr(self._runs, "current", None) is None and spec and spec.opts.locks_queue:
+        if getattr(self._runs, "current", None) is None and spec is not None:
             # skipped before its run began (AgeLimit): the lease its send took goes back
-            run = GuardedRun(spec, self, message.args, message.kwargs, task_id=message.message_id)
-            if (lease := run._adopt(spec.durations(self).ttl)) is not None:
-                run.guard.release(lease)
+            _dramatiq_run(
+                spec, self, message.args, message.kwargs, task_id=message.message_id
+            ).abandon()
         self.after_process_message(broker, message)

@@ -330,6 +330,12 @@ class GuardedRun(Hold):
         finally:
             self.exit(final=returned)  # disarms first: nothing interrupts the release
 
+    def abandon(self) -> None:
+        """The job will not run (its framework dropped it before its run began, e.g. an
+        age limit): the lease its enqueue took for it goes back."""
+        if self.opts.locks_queue and (lease := self._adopt(self.spec.durations(self.app).ttl)):
+            self.guard.release(lease)
+
     # -- asyncio: each statement on a thread, never on the event loop ----------------
 
     async def abegin(self) -> bool:
