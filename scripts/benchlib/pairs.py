@@ -105,7 +105,15 @@ class RawSql(Contestant):
         key = self.key if key is None else key
         cur, owner = self.cur, uuid.uuid4().hex
         holder = {"task_name": None, "task_id": None, "hostname": self.hostname, "pid": self.pid}
-        values = {"key": key, "slot": 0, "owner": owner, "ttl": TTL, **holder}
+        values = {
+            "key": key,
+            "slot": 0,
+            "n": 1,
+            "phase": "run",
+            "owner": owner,
+            "ttl": TTL,
+            **holder,
+        }
         cur.execute(self.acquire.sql, self.acquire.params(values), prepare=True)
         if cur.fetchone() is None:
             raise RuntimeError(f"raw acquire of {key} was not granted")
@@ -258,7 +266,7 @@ class MariaRawSql(Contestant):
         cur = self.cur
         owner = uuid.uuid4().hex
         values = {
-            "key": self.key, "slot": 0, "owner": owner, "ttl": int(TTL * 1e6),
+            "key": self.key, "slot": 0, "n": 1, "phase": "run", "owner": owner, "ttl": int(TTL * 1e6),
             "task_name": None, "task_id": None, "hostname": self.hostname, "pid": self.pid,
         }  # fmt: skip
         cur.execute(self.acquire.sql, self.acquire.params(values))

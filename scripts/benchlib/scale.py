@@ -242,6 +242,8 @@ def _pgbench_script(url: str) -> str:
     values = {
         "key": "('bloat:' || :k)",
         "slot": "0",
+        "n": "1",
+        "phase": "'run'",
         "owner": "('o' || :o || '-' || :client_id)",
         "ttl": f"{TTL}",
         "task_name": "'bench.task'",
