@@ -36,6 +36,7 @@ import contextlib
 import functools
 import os
 import uuid
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -112,6 +113,21 @@ def new_pg_database(prefix: str = "tgdoc", template: str | None = None) -> str:
 def drop_pg_database(url: str) -> None:
     with pg_admin() as admin:
         admin.execute(f'DROP DATABASE IF EXISTS "{make_url(url).database}" WITH (FORCE)')
+
+
+@contextlib.contextmanager
+def pg_database_and_private_redis(template: str) -> Iterator[tuple[str, str]]:
+    """A new PostgreSQL database (a clone of ``template``) and a Redis server of its
+    own, for a module's long-lived workers (no other test empties its queues); the
+    URLs of both, gone after."""
+    from tests.harness.servers import PrivateRedis
+
+    db_url = new_pg_database("tg", template)
+    try:
+        with PrivateRedis() as redis:
+            yield db_url, redis.url(0)
+    finally:
+        drop_pg_database(db_url)
 
 
 def maria_admin(database: str | None = None) -> Any:

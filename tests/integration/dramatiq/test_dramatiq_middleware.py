@@ -25,8 +25,7 @@ from dramatiq import group, pipeline
 from taskguard import TaskGuard
 from taskguard.config import reset_guards
 from taskguard.demo.record import max_concurrency
-from tests.harness.servers import PrivateRedis
-from tests.services import drop_pg_database, new_pg_database
+from tests.services import pg_database_and_private_redis
 
 pytest.importorskip("dramatiq")
 
@@ -109,16 +108,12 @@ class Meet:
 
 @pytest.fixture(scope="module")
 def meet(pg_template: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Meet]:
-    db_url = new_pg_database("tg", pg_template)
-    try:
-        with PrivateRedis() as redis:
-            env = Meet(redis.url(0), db_url, tmp_path_factory.mktemp("meet"))
-            try:
-                yield env
-            finally:
-                env.close()
-    finally:
-        drop_pg_database(db_url)
+    with pg_database_and_private_redis(pg_template) as (db_url, redis_url):
+        env = Meet(redis_url, db_url, tmp_path_factory.mktemp("meet"))
+        try:
+            yield env
+        finally:
+            env.close()
 
 
 def events(lines: Lines, *kinds: str) -> list[str]:

@@ -34,8 +34,7 @@ import redis
 from taskguard import TaskGuard
 from taskguard.config import reset_guards
 from taskguard.results import is_skipped
-from tests.harness.servers import PrivateRedis
-from tests.services import drop_pg_database, libpq, new_pg_database
+from tests.services import libpq, pg_database_and_private_redis
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
@@ -88,16 +87,12 @@ class Meet:
 
 @pytest.fixture(scope="module")
 def meet(pg_template: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Meet]:
-    db_url = new_pg_database("tg", pg_template)
-    try:
-        with PrivateRedis() as server:
-            env = Meet(server.url(0), db_url, tmp_path_factory.mktemp("tiqmeet"))
-            try:
-                yield env
-            finally:
-                env.close()
-    finally:
-        drop_pg_database(db_url)
+    with pg_database_and_private_redis(pg_template) as (db_url, redis_url):
+        env = Meet(redis_url, db_url, tmp_path_factory.mktemp("tiqmeet"))
+        try:
+            yield env
+        finally:
+            env.close()
 
 
 def scenario(meet: Meet, steps: Any) -> Any:
