@@ -10,6 +10,7 @@ A guarded task whose lock cannot be established does not run (fail closed).
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import threading
@@ -334,9 +335,17 @@ def outage_env(pg_template: str) -> Iterator[OutageEnv]:
                 return "ran"
 
             guard = TaskGuard(url)
-            with start_test_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
-                yield OutageEnv(app, proxy, guard)
-            guard.dispose()
+            # Celery's test worker sets the root logger to ERROR for the whole process:
+            # later tests in this process would see no warning (caplog) otherwise.
+            root_level = logging.root.level
+            try:
+                with start_test_worker(
+                    app, pool="threads", concurrency=2, perform_ping_check=False
+                ):
+                    yield OutageEnv(app, proxy, guard)
+            finally:
+                logging.root.setLevel(root_level)
+                guard.dispose()
     finally:
         reset_guards()
         drop_pg_database(url)
