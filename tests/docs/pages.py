@@ -118,6 +118,7 @@ PAGES: dict[str, PageSpec] = {
             "way2": ("The example application", "Way 2"),
         },
         checks={OWN_REVISION: _own_revision},
+        run_by="tests/journey/test_journey_alembic.py",
     ),
     "README.md": PageSpec(
         urls={

@@ -83,13 +83,14 @@ def _teardown(namespace: dict[str, Any]) -> None:
 
 
 def _sybils() -> list[Sybil]:
-    with_scenarios = {path: spec for path, spec in PAGES.items() if spec.scenarios}
+    own = {path: spec for path, spec in PAGES.items() if not spec.run_by}
+    with_scenarios = {path: spec for path, spec in own.items() if spec.scenarios}
     found = [
         Sybil(
             parsers=[_Parser("")],
             path=str(REPO),
             patterns=["README.md", "docs/*.md"],
-            excludes=list(with_scenarios),
+            excludes=[path for path, spec in PAGES.items() if spec.scenarios or spec.run_by],
             teardown=_teardown,
         )
     ]

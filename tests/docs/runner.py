@@ -82,6 +82,9 @@ class PageSpec:
     #: A text found in exactly one block -> a check of that block's output.
     checks: dict[str, Callable[[Page, str], None]] = field(default_factory=dict)
     timeout: float = 120.0
+    #: A journey (a test file) that runs each scenario's blocks, and what follows them
+    #: in a deploy: the page is not collected on its own as well.
+    run_by: str = ""
 
     def includes(self, scenario: str, heading: str) -> bool:
         if not self.scenarios:

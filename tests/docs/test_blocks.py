@@ -45,6 +45,13 @@ def test_every_block_runs_or_says_why_not(page: Path) -> None:
             )
     spec = spec_of(page)
     scenarios = list(spec.scenarios) or [""]
+    if spec.run_by:
+        journey = (REPO / spec.run_by).read_text()
+        problems += [
+            f"{_name(page)}: {spec.run_by} runs no scenario {s!r}"
+            for s in scenarios
+            if f'"{s}"' not in journey
+        ]
     in_any = {b.line for s in scenarios for b in runs(page, s)}
     for block in blocks(page):
         if block.marker is None and block.kind is not None and block.line not in in_any:
