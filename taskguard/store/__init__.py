@@ -213,12 +213,9 @@ class Store:
         except DatabaseUnavailable as again:
             if not again.statement_sent:
                 raise
-            raise OutcomeUnknown(
-                f"connection to {self.url} broke again while retrying the acquire of "
-                f"{values['key']!r}; owner {values['owner']} may hold it until its ttl ends",
-                values["key"],
-                values["owner"],
-                self.url,
+            key, owner = values["key"], values["owner"]
+            raise self._unknown(
+                f"again while retrying the acquire of {key!r}", key, owner
             ) from again
         return self._granted(rows, full)
 
@@ -266,13 +263,8 @@ class Store:
             else:
                 info = self.read_owner(key, slot, owner)
         except DatabaseUnavailable:
-            raise OutcomeUnknown(
-                f"connection to {self.url} broke while acquiring {key!r} and the outcome "
-                f"could not be read back; owner {owner} may hold it until its ttl ends",
-                key,
-                owner,
-                self.url,
-            ) from cause
+            broke = f"while acquiring {key!r} and the outcome could not be read back"
+            raise self._unknown(broke, key, owner) from cause
         if info is not None and info.held:
             # Seen is not durable: the grant may be committed on this server only (its
             # wait for a synchronous standby cut short). A no-op write by the owner
@@ -282,13 +274,8 @@ class Store:
                     self._sql.confirm, {"key": key, "slot": info.slot, "owner": owner}
                 )
             except DatabaseUnavailable:
-                raise OutcomeUnknown(
-                    f"connection to {self.url} broke while confirming the acquire of {key!r}; "
-                    f"owner {owner} may hold it until its ttl ends",
-                    key,
-                    owner,
-                    self.url,
-                ) from cause
+                broke = f"while confirming the acquire of {key!r}"
+                raise self._unknown(broke, key, owner) from cause
             if rows:
                 token, acquired_at, expires_at = rows[0]
                 log.warning("acquire of %r committed before the connection broke; keeping it", key)
@@ -436,12 +423,16 @@ class Store:
             return self.read_owner(key, slot, owner)
         except DatabaseUnavailable:
             latest = f" (lease expires by {by.isoformat()} at the latest)" if by else ""
-            raise OutcomeUnknown(
-                f"connection to {self.url} broke while {doing} {key!r}; outcome unknown{latest}",
-                key,
-                owner,
-                self.url,
+            raise self._unknown(
+                f"while {doing} {key!r}", key, owner, f"outcome unknown{latest}"
             ) from cause
+
+    def _unknown(self, broke: str, key: str, owner: str, then: str = "") -> OutcomeUnknown:
+        """The error of a lock statement whose outcome could not be read back."""
+        then = then or f"owner {owner} may hold it until its ttl ends"
+        return OutcomeUnknown(
+            f"connection to {self.url} broke {broke}; {then}", key, owner, self.url
+        )
 
     # -- reading rows ----------------------------------------------------------------
 
