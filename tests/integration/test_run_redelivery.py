@@ -47,8 +47,11 @@ def test_a_copy_is_dropped_when_the_holding_delivery_finished(guard: TaskGuard) 
     copy = _run(guard, feed, job)
     # The first delivery finishes while the copy waits: its finished record refuses it.
     threading.Timer(0.5, first.release, kwargs={"final": True}).start()
-    assert copy.start() is False
-    assert is_skipped(copy.outcome)  # dropped as a late copy: the body never runs
+    try:
+        assert copy.start() is False
+        assert is_skipped(copy.outcome)  # dropped as a late copy: the body never runs
+    finally:
+        first.exit()  # this thread's run no more (the timer's thread released it)
 
 
 def test_another_job_on_the_key_is_still_a_conflict(guard: TaskGuard) -> None:
