@@ -116,10 +116,8 @@ echo "== tests (lowest versions)"
 if [ -n "${MIN_PYTEST_ARGS:-}" ]; then
     python -m pytest ${MIN_PYTEST_ARGS} "$@"
 else
-    # Deselected here only (they run in the latest-versions pass): TimeLimit's retries
-    # at Dramatiq 1.17.0 (a fresh-clone run: the max_retries=0 message option was
-    # retried too, and neither retry ran within 30 s; not investigated yet). It needs Redis to hand
-    # a SIGKILLed worker's message to the next worker within the test, which the lowest
+    # Deselected here only (it runs in the latest-versions pass): the Redis killed-worker
+    # test needs Redis to hand a SIGKILLed worker's message to the next worker within the test, which the lowest
     # kombu does not do in time (the worker app's unacked_restore_interval is newer).
     # The Django Tasks tests run on Django 5.2+ only (django-tasks-db needs it; the lowest
     # Django here is 4.2): the latest-versions pass and .ci/run's Django 6 step run them.
@@ -128,16 +126,12 @@ else
     # Playwright are not held down), and what the top of this file says.
     # tests/integration/taskiq needs taskiq-redis (dev), which needs a newer redis than
     # the lowest here: the lowest taskiq runs the unit tests (test_option_table.py).
-    # test_run_redelivery.py: the core run's wait for another delivery of its own job, on
-    # the store's statements (their SQL at these versions: the store tests, run here).
     python -m pytest -m "not slow and not docs and not journey and not django_tasks" \
         -n 4 --dist loadfile --no-loadscope-reorder \
         -k "(not (celery and (sqlite or mariadb)) or workers_mariadb or fifty_submissions_during) and not (test_cli and mariadb) and not hand_overs_are_never_recorded" \
         --deselect tests/integration/test_web.py --deselect tests/integration/test_web_browser.py \
         --ignore tests/integration/taskiq --ignore tests/integration/celery/test_combinations.py \
-        --ignore tests/integration/test_run_redelivery.py \
         --deselect tests/integration/celery/test_celery_correctness.py::test_redis_killed_worker_reruns_once \
-        --deselect tests/integration/dramatiq/test_dramatiq_middleware.py::test_time_limit_frees_the_key_at_once_and_retries_run \
         "$@"
 fi
 echo "min-versions run took $(( $(date +%s) - started )) s"

@@ -192,7 +192,8 @@ class TaskGuard(AsyncLeases):
 
         ``unless=K``: refused while key K is held, e.g. a :class:`Marker` left by
         :meth:`release` (checked by the acquire statement itself where the dialect
-        can); the holder is then K's row if ``key`` itself is free.
+        can); the holder is then K's row if ``key`` itself is free, and a ``wait``
+        ends as soon as K is seen held.
         ``record_refusal=False``: a refusal is logged, not recorded in the history.
         ``phase``: the lock phase the lease is taken for (a guarded task's enqueue or
         run), recorded in the row for operators (:attr:`LockInfo.phase`)."""
@@ -246,7 +247,9 @@ class TaskGuard(AsyncLeases):
                 waiting,
             )
             slots = range(slot, slot + 1) if n == 1 else range(n)
-            lease = wait_for(store, attempt, key, values["owner"], slots, waiting)
+            # Refused for ``unless`` (the job's finished record): no wait ends that.
+            done = (lambda: store.live_holder(unless) is not None) if unless else None
+            lease = wait_for(store, attempt, key, values["owner"], slots, waiting, done)
             waited = time.monotonic() - started
         return self._outcome(lease, values, holder, waited, seen, record_refusal)
 

@@ -87,9 +87,11 @@ def wait_for(
     owner: str,
     slots: range,
     timeout: float,
+    settled: Callable[[], bool] | None = None,
 ) -> Lease | None:
     """Retry ``attempt`` (an acquire as ``owner`` of one of ``slots``) until it
-    grants or ``timeout`` seconds pass; the first attempt has already failed."""
+    grants or ``timeout`` seconds pass, or a refusal is ``settled()`` (no wait would
+    change it); the first attempt has already failed."""
     deadline = time.monotonic() + timeout
     gone = abandoned.get() or threading.Event()
     listener = store.waiters.listener()
@@ -131,6 +133,8 @@ def wait_for(
             lease = attempt()
             if lease is not None:
                 return lease
+            if settled is not None and settled():
+                return None
         return None
     finally:
         if announced and (lease is None or len(slots) > 1):

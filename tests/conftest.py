@@ -25,7 +25,7 @@ import psycopg
 import pytest
 from sqlalchemy.engine import make_url
 
-from taskguard import TaskGuard, schema
+from taskguard import TaskGuard, held_lease, schema
 from tests import services
 from tests.services import (  # the service URLs and admin connections live there
     AMQP_URL,
@@ -49,6 +49,17 @@ def _test_databases() -> None:
     for create in (services.create_pg_database, services.create_maria_database):
         with contextlib.suppress(Exception):
             create()
+
+
+@pytest.fixture(autouse=True)
+def _no_run_left_active() -> Iterator[None]:
+    """A test that leaves a guarded run active in this thread fails, not a later test
+    whose spans or ``current_lease()`` would see it (a run started here is exited here)."""
+    yield
+    left = held_lease.active_run()
+    if left is not None:
+        held_lease._current.set(None)
+        pytest.fail(f"the test left a guarded run active in this thread: {left!r}")
 
 
 def _template_name() -> str:
