@@ -284,12 +284,18 @@ class _Tracing:
     def waiting(self, wait_for: Callable[..., Lease | None]) -> Callable[..., Lease | None]:
         """``acquire(..., wait=)``'s wait, a span inside the acquire's."""
 
-        def wait_for_(store: Any, attempt: Any, key: str, *args: Any) -> Lease | None:
-            timeout = {"taskguard.lock.wait_timeout": args[-1]}
-            with self.tracer.start_as_current_span("taskguard.wait", attributes=timeout) as span:
-                lease = wait_for(store, attempt, key, *args)
-                span.set_attributes(_granted(lease, "granted", "timeout"))
-                if lease is None:
+        def wait_for_(
+            store: Any, attempt: Any, key: str, owner: str, slots: range, timeout: float,
+            settled: Callable[[], bool] | None = None,
+        ) -> Lease | None:  # fmt: skip
+            seconds = {"taskguard.lock.wait_timeout": timeout}
+            with self.tracer.start_as_current_span("taskguard.wait", attributes=seconds) as span:
+                ends = time.monotonic() + timeout
+                lease = wait_for(store, attempt, key, owner, slots, timeout, settled)
+                # Ended early without the lease: refused for good (settled), not timed out.
+                gave_up = "timeout" if time.monotonic() >= ends else "refused"
+                span.set_attributes(_granted(lease, "granted", gave_up))
+                if lease is None and gave_up == "timeout":
                     span.set_attribute("error.type", "timeout")
                     span.set_status(self.trace.Status(self.trace.StatusCode.ERROR))
                 return lease

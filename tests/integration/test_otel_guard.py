@@ -141,6 +141,23 @@ def test_a_wait_is_a_span_inside_the_acquire(traced: Any, sguard: TaskGuard) -> 
     assert acquires[1].attributes["taskguard.lock.outcome"] == "refused"
 
 
+def test_a_wait_refused_for_good_ends_at_once_without_an_error(
+    traced: Any, sguard: TaskGuard
+) -> None:
+    """``unless=``: once the key is free but the other key is held (a finished job's
+    record), the wait ends there, refused, not timed out."""
+    exporter, _provider = traced
+    assert sguard.acquire("u", 1.0) is not None
+    assert sguard.acquire("u:done", 60) is not None
+    started = time.monotonic()
+    attempt = sguard.try_acquire("u", 10, wait=30, unless="u:done")
+    assert attempt.lease is None and attempt.holder is not None
+    assert time.monotonic() - started < 20  # at the first lease's end, not the wait's
+    (wait,) = _named(exporter, "taskguard.wait")
+    attributes = dict(wait.attributes or {})
+    assert attributes["taskguard.lock.outcome"] == "refused" and "error.type" not in attributes
+
+
 def test_renewals_only_when_they_fail_or_are_sampled(traced: Any, sguard: TaskGuard) -> None:
     exporter, provider = traced
     otel.instrument(tracer_provider=provider, slow_renewal=60)  # none is slow, however loaded
