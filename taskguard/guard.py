@@ -237,7 +237,9 @@ class TaskGuard(AsyncLeases):
 
         lease, seen = store.grant_seeing(values, seconds, hold) if n == 1 else (attempt(), None)
         waited = None
-        if lease is None and waiting > 0:
+        # Refused for ``unless`` (the job's finished record): no wait ends that.
+        settled = (lambda: store.live_holder(unless) is not None) if unless else None
+        if lease is None and waiting > 0 and not (settled and settled()):
             started = time.monotonic()
             current, seen = seen or store.live_holder(key), None  # stale after the wait
             log.info(
@@ -247,9 +249,7 @@ class TaskGuard(AsyncLeases):
                 waiting,
             )
             slots = range(slot, slot + 1) if n == 1 else range(n)
-            # Refused for ``unless`` (the job's finished record): no wait ends that.
-            done = (lambda: store.live_holder(unless) is not None) if unless else None
-            lease = wait_for(store, attempt, key, values["owner"], slots, waiting, done)
+            lease = wait_for(store, attempt, key, values["owner"], slots, waiting, settled)
             waited = time.monotonic() - started
         return self._outcome(lease, values, holder, waited, seen, record_refusal)
 

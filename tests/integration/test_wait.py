@@ -303,6 +303,17 @@ def test_no_wait_is_the_default_and_zero_means_no_wait(guard: TaskGuard) -> None
     assert time.monotonic() - started < 1
 
 
+def test_no_wait_while_the_unless_key_is_held(guard: TaskGuard) -> None:
+    """``unless=`` (a job's finished record) held: refused at once, however long the
+    key's own holder holds it and however long the wait asked for."""
+    assert guard.acquire("job", 30) is not None
+    assert guard.acquire("job:done", 60) is not None
+    started = time.monotonic()
+    attempt = guard.try_acquire("job", 10, wait=20, unless="job:done")
+    assert attempt.lease is None and attempt.holder is not None
+    assert time.monotonic() - started < 5
+
+
 def test_releases_notify_only_while_someone_waits(pg_url: str) -> None:
     """NOTIFY serializes committing transactions, so the hot path must not send it."""
     listener = psycopg.connect(_libpq(pg_url), autocommit=True)
