@@ -83,19 +83,19 @@ def _teardown(namespace: dict[str, Any]) -> None:
 
 
 def _sybils() -> list[Sybil]:
-    own = {path: spec for path, spec in PAGES.items() if not spec.run_by}
-    with_scenarios = {path: spec for path, spec in own.items() if spec.scenarios}
+    # A page with scenarios is collected once per scenario; one a journey runs, not at all.
+    apart = [path for path, spec in PAGES.items() if spec.scenarios or spec.run_by]
     found = [
         Sybil(
             parsers=[_Parser("")],
             path=str(REPO),
             patterns=["README.md", "docs/*.md"],
-            excludes=[path for path, spec in PAGES.items() if spec.scenarios or spec.run_by],
+            excludes=apart,
             teardown=_teardown,
         )
     ]
-    for path, spec in with_scenarios.items():
-        for scenario in spec.scenarios:
+    for path, spec in PAGES.items():
+        for scenario in () if spec.run_by else spec.scenarios:
             found.append(
                 Sybil(
                     parsers=[_Parser(scenario)],

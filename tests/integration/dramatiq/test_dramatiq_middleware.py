@@ -108,12 +108,11 @@ class Meet:
 
 @pytest.fixture(scope="module")
 def meet(pg_template: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Meet]:
-    with pg_database_and_private_redis(pg_template) as (db_url, redis_url):
-        env = Meet(redis_url, db_url, tmp_path_factory.mktemp("meet"))
-        try:
-            yield env
-        finally:
-            env.close()
+    with (
+        pg_database_and_private_redis(pg_template) as (db_url, redis_url),
+        contextlib.closing(Meet(redis_url, db_url, tmp_path_factory.mktemp("meet"))) as env,
+    ):
+        yield env
 
 
 def events(lines: Lines, *kinds: str) -> list[str]:
